@@ -1,0 +1,69 @@
+"""Turn `pagedrun bench --json` files into the Markdown tables of docs/benchmarks.md.
+
+    python benchmarks/bench_table.py results/standard.json results/shared-prefix.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(x) -> str:
+    return "/".join(f"{v:.1f}" for v in x) if x else "?"
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:,.1f}" if b is not None else "-"
+
+
+def table(res: dict) -> str:
+    m, w, mach = res["model"], res["workload"], res["machine"]
+    lines = [
+        f"### {w['name']}{' (quick)' if w['quick'] else ''}: {m['name']}, {m['dtype']}, {mach['threads']} thread(s)",
+        "",
+        f"{w['requests']} requests, {w['prompt_tokens']:,} prompt tokens, {w['max_output_tokens']:,} output tokens; "
+        f"{m['parameters']['total'] / 1e6:.1f}M parameters ({m['parameters']['matmul'] / 1e6:.1f}M in matmuls); "
+        f"matmul roof {res['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s; "
+        f"load average (1/5/15 min) at the start {_load(mach.get('load_average_start'))}, "
+        f"at the end {_load(mach.get('load_average_end'))}.",
+        "",
+        "| engine | config | output tok/s | total tok/s | wall s | peak RSS MiB | KV allocated MiB | KV peak in use MiB | KV utilisation "
+        "| output tok/s vs pagedrun | roofline | mismatches |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in res["engines"]:
+        r = e["ratio_to_pagedrun"]["output_tokens_per_s"]
+        u = e.get("kv_utilisation")
+        lines.append(
+            f"| {e['engine']} | {e['config']} | {e['output_tokens_per_s']:,.1f} | {e['total_tokens_per_s']:,.1f} "
+            f"| {e['wall_s']:,.1f} | {e['peak_rss_bytes'] / 2**20:,.0f} | {e['kv_bytes'] / 2**20:,.1f} "
+            f"| {_mib(e.get('kv_peak_bytes'))} "
+            f"| {f'{u:.1%}' if u is not None else '-'} | {f'{r:.2f}x' if r is not None else '-'} "
+            f"| {e['roofline_fraction']:.2%} | {e['mismatches']} |")
+    rep = res.get("pagedrun_report")
+    if rep:
+        c = rep["contiguous"]
+        lines += [
+            "",
+            f"pagedrun's KV report: peak {rep['blocks_in_use']['peak']:,} blocks of {rep['kv_capacity']['blocks']:,}; "
+            f"utilisation {rep['utilisation']['tokens_stored_over_slots_allocated']:.1%}; last-block waste "
+            f"{rep['fragmentation']['last_block_waste_percent']:.1f}%; prefix-cache hit rate "
+            f"{(rep['prefix_cache']['hit_rate'] or 0):.1%}; contiguous reservation at prompt+max_tokens would peak at "
+            f"{c['request_max']['peak_tokens']:,} tokens (utilisation {c['request_max']['utilisation']:.1%}), at "
+            f"max_model_len at {c['max_model_len']['peak_tokens']:,} tokens "
+            f"(utilisation {c['max_model_len']['utilisation']:.1%}).",
+        ]
+    lines.append("")
+    lines.append("Outputs identical across engines." if res["outputs_match"]
+                 else f"{len(res['mismatches'])} mismatching requests.")
+    return "\n".join(lines) + "\n"
+
+
+def main(paths: list[str]) -> None:
+    for p in paths:
+        print(table(json.loads(Path(p).read_text())))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,3 @@
+// cudaemu shim for <cuda_bf16.hpp>: everything is provided by the force-included cudaemu.h.
+#pragma once
+#include "../cudaemu.h"

@@ -1,0 +1,3 @@
+// cudaemu shim for <device_functions.h>: everything is provided by the force-included cudaemu.h.
+#pragma once
+#include "../cudaemu.h"

@@ -1,0 +1,421 @@
+// Paged decode attention (vLLM's paged_attention_v1 / v2 + reduce), rewritten for pagedrun's cache
+// layout and for three consumers: nvcc (compile gates), NVRTC through cupy.RawModule (GPU), and the
+// CUDA-on-CPU emulator (tests). See docs/kernels.md for the thread mapping drawn out.
+//
+//   query        [num_seqs, num_heads, head_size]          (row stride q_stride)
+//   key_cache    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
+//   value_cache  [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
+//   block_tables [num_seqs, max_num_blocks_per_seq] int32, seq_lens [num_seqs] int32
+//   out          [num_seqs, num_heads, head_size]
+//
+// Grid (num_heads, num_seqs[, max_num_partitions]); NUM_THREADS (128) threads = 4 warps.
+// Rules that keep this file emulatable (docs/kernels.md, FACTS section 6): dynamic shared memory only
+// as `extern __shared__`, nothing read from shared memory before it is written, every *_sync
+// collective called by all 32 lanes from one site with the full mask, __syncthreads only in
+// block-uniform control flow, no inline PTX, only NVRTC-provided headers.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define PR_UNROLL _Pragma("unroll")
+#define PR_NO_UNROLL _Pragma("unroll 1")
+#else
+#define PR_UNROLL
+#define PR_NO_UNROLL
+#endif
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define PR_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#else
+#define PR_LAUNCH_BOUNDS(n)
+#endif
+
+#define PR_WARP_SIZE 32
+#define PR_FULL_MASK 0xffffffffu
+// No <cfloat> under NVRTC: spell FLT_MAX out.
+#define PR_FLT_MAX 3.402823466e+38f
+#define PR_DIV_UP(a, b) (((a) + (b) - 1) / (b))
+
+namespace pagedrun {
+
+__host__ __device__ constexpr int pr_max(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int pr_min(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
+
+// ---- scalar conversions (fp32 accumulation everywhere) ----
+__host__ __device__ inline float to_float(float x) { return x; }
+__host__ __device__ inline float to_float(__half x) { return __half2float(x); }
+__host__ __device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __host__ __device__ inline T from_float(float x);
+template <> __host__ __device__ inline float from_float<float>(float x) { return x; }
+template <> __host__ __device__ inline __half from_float<__half>(float x) { return __float2half(x); }
+template <> __host__ __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// N contiguous elements loaded as one aligned access: alignas(N * sizeof(T)) lets nvcc emit a single
+// 16-byte (or 8/4/2-byte) load; under the emulator it is a plain struct copy.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
+__device__ inline float fast_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
+#else
+  return expf(x);
+#endif
+}
+
+// Max over the whole thread block. Lane 0 of each warp publishes through red_smem (NUM_WARPS floats),
+// one barrier, then every warp folds the NUM_WARPS values itself. Each call site gets its own
+// red_smem slice, so no trailing barrier is needed before the slice could be reused.
+template <int NUM_WARPS, int FIRST_MASK>
+__device__ inline float block_max(float v, float* red_smem, int warp_idx, int lane) {
+  PR_UNROLL
+  for (int mask = PR_WARP_SIZE / 2; mask >= FIRST_MASK; mask /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(PR_FULL_MASK, v, mask));
+  }
+  if (lane == 0) red_smem[warp_idx] = v;
+  __syncthreads();
+  v = lane < NUM_WARPS ? red_smem[lane] : -PR_FLT_MAX;
+  PR_UNROLL
+  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(PR_FULL_MASK, v, mask));
+  }
+  return __shfl_sync(PR_FULL_MASK, v, 0);
+}
+
+template <int NUM_WARPS>
+__device__ inline float block_sum(float v, float* red_smem, int warp_idx, int lane) {
+  PR_UNROLL
+  for (int mask = PR_WARP_SIZE / 2; mask >= 1; mask /= 2) {
+    v += __shfl_xor_sync(PR_FULL_MASK, v, mask);
+  }
+  if (lane == 0) red_smem[warp_idx] = v;
+  __syncthreads();
+  v = lane < NUM_WARPS ? red_smem[lane] : 0.f;
+  PR_UNROLL
+  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
+    v += __shfl_xor_sync(PR_FULL_MASK, v, mask);
+  }
+  return __shfl_sync(PR_FULL_MASK, v, 0);
+}
+
+// One thread block computes one (head, sequence, partition). PARTITION_SIZE == 0: whole sequence (v1).
+//
+// QK phase: warp w takes blocks w, w + NUM_WARPS, ...; inside a warp, a thread group of
+// THREAD_GROUP_SIZE = max(32 / BLOCK_SIZE, 1) lanes takes one token of the block, each lane holding
+// every THREAD_GROUP_SIZE-th vector of the key row so a group reads 16 contiguous bytes per step.
+// Softmax: fp32 logits in dynamic shared memory, block-wide max/sum by warp shuffles.
+// PV phase: the key row is contiguous in this layout, so a lane owns V_VEC_SIZE head elements
+// (one 16-byte load) of one token; a warp covers TOKENS_PER_ITER tokens of a block at once, lanes
+// with the same head slice are folded by xor-shuffles, warps by shared memory.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+__device__ inline void paged_attention_body(
+    float* __restrict__ exp_sums,        // [num_seqs, num_heads, max_num_partitions] (v2 only)
+    float* __restrict__ max_logits,      // [num_seqs, num_heads, max_num_partitions] (v2 only)
+    scalar_t* __restrict__ out,          // v1: [num_seqs, num_heads, HEAD_SIZE]
+    float* __restrict__ tmp_out,         // v2: [num_seqs, num_heads, max_num_partitions, HEAD_SIZE]
+    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const int max_num_blocks_per_seq, const int q_stride) {
+  constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;
+  constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
+  static_assert(NUM_THREADS % PR_WARP_SIZE == 0, "whole warps only");
+  static_assert(BLOCK_SIZE <= PR_WARP_SIZE && PR_WARP_SIZE % BLOCK_SIZE == 0,
+                "one warp covers whole cache blocks");
+  static_assert(!USE_PARTITIONING || PARTITION_SIZE % BLOCK_SIZE == 0, "partitions hold whole blocks");
+
+  const int head_idx = blockIdx.x;
+  const int num_heads = gridDim.x;
+  const int seq_idx = blockIdx.y;
+  const int partition_idx = blockIdx.z;
+  const int max_num_partitions = gridDim.z;
+  const int seq_len = seq_lens[seq_idx];
+  const int thread_idx = threadIdx.x;
+  const int warp_idx = thread_idx / PR_WARP_SIZE;
+  const int lane = thread_idx % PR_WARP_SIZE;
+
+  // Block-uniform early exits (before any barrier).
+  if (USE_PARTITIONING && partition_idx * PARTITION_SIZE >= seq_len) return;  // nothing to do
+  if (seq_len <= 0) {  // empty sequence (padding row): a defined zero output instead of 0/0
+    for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
+      out[((long long)seq_idx * num_heads + head_idx) * HEAD_SIZE + i] = from_float<scalar_t>(0.f);
+    }
+    return;
+  }
+
+  const int num_seq_blocks = PR_DIV_UP(seq_len, BLOCK_SIZE);
+  const int num_blocks_per_partition = USE_PARTITIONING ? PARTITION_SIZE / BLOCK_SIZE : num_seq_blocks;
+  const int start_block_idx = USE_PARTITIONING ? partition_idx * num_blocks_per_partition : 0;
+  const int end_block_idx = pr_min(start_block_idx + num_blocks_per_partition, num_seq_blocks);
+  const int start_token_idx = start_block_idx * BLOCK_SIZE;
+  const int end_token_idx = pr_min(end_block_idx * BLOCK_SIZE, seq_len);
+  const int num_tokens = end_token_idx - start_token_idx;
+
+  const int num_queries_per_kv = num_heads / num_kv_heads;
+  const int kv_head_idx = head_idx / num_queries_per_kv;
+  const long long kv_token_stride = (long long)num_kv_heads * HEAD_SIZE;
+  const long long kv_block_stride = kv_token_stride * BLOCK_SIZE;
+
+  // ---- q -> shared memory (fp32), read back by every thread group ----
+  constexpr int Q_VEC_SIZE = 16 / sizeof(scalar_t);
+  static_assert(HEAD_SIZE % Q_VEC_SIZE == 0, "head_size * sizeof(dtype) must be a multiple of 16");
+  constexpr int NUM_Q_VECS = HEAD_SIZE / Q_VEC_SIZE;
+  __shared__ float q_smem[HEAD_SIZE];
+  __shared__ float red_smem[2 * NUM_WARPS];
+  const scalar_t* q_ptr = q + (long long)seq_idx * q_stride + head_idx * HEAD_SIZE;
+  for (int i = thread_idx; i < NUM_Q_VECS; i += NUM_THREADS) {
+    const Packed<scalar_t, Q_VEC_SIZE> qv = *reinterpret_cast<const Packed<scalar_t, Q_VEC_SIZE>*>(
+        q_ptr + i * Q_VEC_SIZE);
+    PR_UNROLL
+    for (int e = 0; e < Q_VEC_SIZE; e++) q_smem[i * Q_VEC_SIZE + e] = to_float(qv.v[e]);
+  }
+  __syncthreads();
+
+  // fp32 logits for this partition's tokens; reused below for the cross-warp output reduction.
+  extern __shared__ float shared_mem[];
+  float* logits = shared_mem;
+
+  // ---- QK: one token per thread group ----
+  constexpr int THREAD_GROUP_SIZE = pr_max(PR_WARP_SIZE / BLOCK_SIZE, 1);
+  constexpr int VEC_SIZE = pr_max(16 / (THREAD_GROUP_SIZE * (int)sizeof(scalar_t)), 1);
+  static_assert(HEAD_SIZE % (THREAD_GROUP_SIZE * VEC_SIZE) == 0, "head_size must split over a group");
+  constexpr int NUM_VECS_PER_THREAD = HEAD_SIZE / (THREAD_GROUP_SIZE * VEC_SIZE);
+  constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 ? 8 : (NUM_VECS_PER_THREAD % 4 == 0 ? 4 : NUM_VECS_PER_THREAD % 2 == 0 ? 2 : 1);
+  const int group_in_warp = lane / THREAD_GROUP_SIZE;  // == token offset inside the cache block
+  const int thread_group_offset = lane % THREAD_GROUP_SIZE;
+  const int* block_table = block_tables + (long long)seq_idx * max_num_blocks_per_seq;
+
+  float qk_max = -PR_FLT_MAX;
+  for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
+    const long long physical_block_number = block_table[block_idx];
+    const int physical_block_offset = group_in_warp;
+    const int token_idx = block_idx * BLOCK_SIZE + physical_block_offset;
+    const scalar_t* k_ptr = k_cache + physical_block_number * kv_block_stride +
+                            physical_block_offset * kv_token_stride + kv_head_idx * HEAD_SIZE;
+    float qk = 0.f;
+    // Chunks of K_CHUNK loads in flight: fully unrolled, a 256-wide row held by one lane (block 32)
+    // would keep 64+ registers of key live and spill.
+    PR_NO_UNROLL
+    for (int j0 = 0; j0 < NUM_VECS_PER_THREAD; j0 += K_CHUNK) {
+      PR_UNROLL
+      for (int j = j0; j < j0 + K_CHUNK; j++) {
+        const int elem = (thread_group_offset + j * THREAD_GROUP_SIZE) * VEC_SIZE;
+        const Packed<scalar_t, VEC_SIZE> kv =
+            *reinterpret_cast<const Packed<scalar_t, VEC_SIZE>*>(k_ptr + elem);
+        PR_UNROLL
+        for (int e = 0; e < VEC_SIZE; e++) qk += q_smem[elem + e] * to_float(kv.v[e]);
+      }
+    }
+    // Fold the group's partial dots; all 32 lanes take part, every lane ends with its group's dot.
+    PR_UNROLL
+    for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) {
+      qk += __shfl_xor_sync(PR_FULL_MASK, qk, mask);
+    }
+    qk *= scale;
+    if (thread_group_offset == 0) {
+      // Keys past the end may hold anything (even NaN): the select drops them, logit := 0.
+      const bool mask = token_idx >= seq_len;
+      logits[token_idx - start_token_idx] = mask ? 0.f : qk;
+      qk_max = mask ? qk_max : fmaxf(qk_max, qk);
+    }
+  }
+  // Lanes with thread_group_offset == 0 hold the maxima; xor masks >= THREAD_GROUP_SIZE combine them.
+  qk_max = block_max<NUM_WARPS, THREAD_GROUP_SIZE>(qk_max, red_smem, warp_idx, lane);
+
+  float exp_sum = 0.f;
+  for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) {
+    const float val = fast_exp(logits[i] - qk_max);
+    logits[i] = val;
+    exp_sum += val;
+  }
+  exp_sum = block_sum<NUM_WARPS>(exp_sum, red_smem + NUM_WARPS, warp_idx, lane);
+  // exp_sum >= 1: the maximal logit contributes exp(0).
+  const float inv_sum = 1.f / exp_sum;
+  for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
+  __syncthreads();
+
+  if (USE_PARTITIONING && thread_idx == 0) {
+    const long long idx = ((long long)seq_idx * num_heads + head_idx) * max_num_partitions + partition_idx;
+    max_logits[idx] = qk_max;
+    exp_sums[idx] = exp_sum;
+  }
+
+  // ---- PV: a lane owns V_VEC_SIZE head elements of one token ----
+  constexpr int V_VEC_SIZE = 16 / sizeof(scalar_t);
+  constexpr int NUM_V_VECS = HEAD_SIZE / V_VEC_SIZE;
+  constexpr int V_LANES_PER_TOKEN = pr_min(next_pow2(NUM_V_VECS), PR_WARP_SIZE);
+  constexpr int TOKENS_PER_ITER = PR_WARP_SIZE / V_LANES_PER_TOKEN;
+  constexpr int V_VECS_PER_LANE = PR_DIV_UP(NUM_V_VECS, V_LANES_PER_TOKEN);
+  const int v_lane = lane % V_LANES_PER_TOKEN;
+  const int token_sub = lane / V_LANES_PER_TOKEN;
+
+  float accs[V_VECS_PER_LANE][V_VEC_SIZE];
+  PR_UNROLL
+  for (int r = 0; r < V_VECS_PER_LANE; r++) {
+    PR_UNROLL
+    for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] = 0.f;
+  }
+
+  for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
+    const long long physical_block_number = block_table[block_idx];
+    for (int t = token_sub; t < BLOCK_SIZE; t += TOKENS_PER_ITER) {
+      const int token_idx = block_idx * BLOCK_SIZE + t;
+      // V rows past seq_len are never read: they count as zero (0 * NaN garbage would not).
+      if (token_idx < seq_len) {
+        const float p = logits[token_idx - start_token_idx];
+        const scalar_t* v_ptr = v_cache + physical_block_number * kv_block_stride +
+                                t * kv_token_stride + kv_head_idx * HEAD_SIZE;
+        PR_UNROLL
+        for (int r = 0; r < V_VECS_PER_LANE; r++) {
+          const int vec = v_lane + r * V_LANES_PER_TOKEN;
+          if (vec < NUM_V_VECS) {
+            const Packed<scalar_t, V_VEC_SIZE> vv =
+                *reinterpret_cast<const Packed<scalar_t, V_VEC_SIZE>*>(v_ptr + vec * V_VEC_SIZE);
+            PR_UNROLL
+            for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] += p * to_float(vv.v[e]);
+          }
+        }
+      }
+    }
+  }
+
+  // Lanes that share v_lane differ by multiples of V_LANES_PER_TOKEN: fold them by xor-shuffles.
+  PR_UNROLL
+  for (int r = 0; r < V_VECS_PER_LANE; r++) {
+    PR_UNROLL
+    for (int e = 0; e < V_VEC_SIZE; e++) {
+      float acc = accs[r][e];
+      PR_UNROLL
+      for (int mask = PR_WARP_SIZE / 2; mask >= V_LANES_PER_TOKEN; mask /= 2) {
+        acc += __shfl_xor_sync(PR_FULL_MASK, acc, mask);
+      }
+      accs[r][e] = acc;
+    }
+  }
+
+  // Cross-warp reduction through shared memory: the logits are dead once every warp is past PV.
+  __syncthreads();
+  float* out_smem = shared_mem;  // [NUM_WARPS][HEAD_SIZE]
+  if (token_sub == 0) {
+    PR_UNROLL
+    for (int r = 0; r < V_VECS_PER_LANE; r++) {
+      const int vec = v_lane + r * V_LANES_PER_TOKEN;
+      if (vec < NUM_V_VECS) {
+        PR_UNROLL
+        for (int e = 0; e < V_VEC_SIZE; e++) {
+          out_smem[warp_idx * HEAD_SIZE + vec * V_VEC_SIZE + e] = accs[r][e];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
+    float acc = 0.f;
+    PR_UNROLL
+    for (int w = 0; w < NUM_WARPS; w++) acc += out_smem[w * HEAD_SIZE + i];
+    if (USE_PARTITIONING) {
+      tmp_out[(((long long)seq_idx * num_heads + head_idx) * max_num_partitions + partition_idx) *
+                  HEAD_SIZE + i] = acc;
+    } else {
+      out[((long long)seq_idx * num_heads + head_idx) * HEAD_SIZE + i] = from_float<scalar_t>(acc);
+    }
+  }
+}
+
+}  // namespace pagedrun
+
+// Dynamic shared memory (bytes): 4 * max(padded tokens of one block/partition, NUM_WARPS * HEAD_SIZE).
+// Grid (num_heads, num_seqs, 1).
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
+    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const int max_num_blocks_per_seq, const int q_stride) {
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
+      nullptr, nullptr, out, nullptr, q, k_cache, v_cache, num_kv_heads, scale, block_tables,
+      seq_lens, max_num_blocks_per_seq, q_stride);
+}
+
+// Grid (num_heads, num_seqs, max_num_partitions); partial results are kept in fp32.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+__global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
+    float* __restrict__ exp_sums, float* __restrict__ max_logits, float* __restrict__ tmp_out,
+    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
+    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const int max_num_blocks_per_seq, const int q_stride) {
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
+      exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables,
+      seq_lens, max_num_blocks_per_seq, q_stride);
+}
+
+// Combine the partitions of one (head, sequence): partition i's output was normalised by its own
+// exp-sum s_i at its own max m_i; with M = max_i m_i its weight is s_i * exp(m_i - M) / sum_j(...).
+// Grid (num_heads, num_seqs); dynamic shared memory 2 * max_num_partitions floats.
+template <typename scalar_t, int HEAD_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+__global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
+    scalar_t* __restrict__ out, const float* __restrict__ exp_sums,
+    const float* __restrict__ max_logits, const float* __restrict__ tmp_out,
+    const int* __restrict__ seq_lens, const int max_num_partitions) {
+  constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
+  const int num_heads = gridDim.x;
+  const int head_idx = blockIdx.x;
+  const int seq_idx = blockIdx.y;
+  const int thread_idx = threadIdx.x;
+  const int warp_idx = thread_idx / PR_WARP_SIZE;
+  const int lane = thread_idx % PR_WARP_SIZE;
+  const int seq_len = seq_lens[seq_idx];
+  const long long row = (long long)seq_idx * num_heads + head_idx;
+  scalar_t* out_ptr = out + row * HEAD_SIZE;
+  const float* tmp_ptr = tmp_out + row * max_num_partitions * HEAD_SIZE;
+
+  if (seq_len <= 0) {
+    for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) out_ptr[i] = pagedrun::from_float<scalar_t>(0.f);
+    return;
+  }
+  const int num_partitions = PR_DIV_UP(seq_len, PARTITION_SIZE);
+  if (num_partitions == 1) {  // nothing to rescale
+    for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
+      out_ptr[i] = pagedrun::from_float<scalar_t>(tmp_ptr[i]);
+    }
+    return;
+  }
+
+  __shared__ float red_smem[2 * NUM_WARPS];
+  extern __shared__ float reduce_smem[];
+  float* shared_max_logits = reduce_smem;                      // [max_num_partitions]
+  float* shared_weights = reduce_smem + max_num_partitions;    // [max_num_partitions]
+  const float* max_logits_ptr = max_logits + row * max_num_partitions;
+  const float* exp_sums_ptr = exp_sums + row * max_num_partitions;
+
+  float max_logit = -PR_FLT_MAX;
+  for (int i = thread_idx; i < num_partitions; i += NUM_THREADS) {
+    const float l = max_logits_ptr[i];
+    shared_max_logits[i] = l;
+    max_logit = fmaxf(max_logit, l);
+  }
+  max_logit = pagedrun::block_max<NUM_WARPS, 1>(max_logit, red_smem, warp_idx, lane);
+
+  float global_exp_sum = 0.f;
+  for (int i = thread_idx; i < num_partitions; i += NUM_THREADS) {
+    const float w = exp_sums_ptr[i] * pagedrun::fast_exp(shared_max_logits[i] - max_logit);
+    shared_weights[i] = w;
+    global_exp_sum += w;
+  }
+  global_exp_sum = pagedrun::block_sum<NUM_WARPS>(global_exp_sum, red_smem + NUM_WARPS, warp_idx, lane);
+  const float inv_global_exp_sum = 1.f / global_exp_sum;
+
+  for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
+    float acc = 0.f;
+    for (int p = 0; p < num_partitions; p++) acc += tmp_ptr[p * HEAD_SIZE + i] * shared_weights[p];
+    out_ptr[i] = pagedrun::from_float<scalar_t>(acc * inv_global_exp_sum);
+  }
+}

@@ -1,0 +1,3 @@
+from pagedrun.cli import main
+
+main()

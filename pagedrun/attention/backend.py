@@ -1,0 +1,45 @@
+"""The attention backend interface: write this step's K/V into the paged cache, then attend.
+
+Cache layout (shared by every backend and by kernels/*.cu), one pair of tensors per layer:
+
+    key_cache   [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache [num_blocks, block_size, num_kv_heads, head_size]
+
+A slot s lives at block s // block_size, offset s % block_size. This is the layout vLLM's newer
+backends use; keeping one layout everywhere lets copy-on-write and swap move whole blocks with
+one index on dimension 0.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedrun.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]  (this step's new tokens)
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Write key/value through meta.slot_mapping, then compute causal attention of each query
+        over its sequence's cached tokens (read through meta.block_tables).
+
+        Contract: every new token's K/V is written before any query attends. The scheduler relies on
+        it: a request may hit prefix-cache blocks that another request computes in the same step."""
+        ...
+
+    def copy_blocks(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
+    ) -> None:
+        """Copy-on-write: for every (src, dst) pair copy block src to dst in every layer."""
+        ...

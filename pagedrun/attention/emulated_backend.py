@@ -1,0 +1,100 @@
+"""The CuPy backend's kernels, run on the CPU through the CUDA emulator (pagedrun.cudaemu).
+
+Same .cu sources, same launch helpers (pagedrun.attention.kernels), same grids: only the module
+comes from EmuModule and device arrays are numpy views of the torch CPU tensors (no copies for the
+caches, which the kernels write in place). It is slow (every CUDA thread is a fiber) and exists so
+that CI without a GPU runs the real kernels end to end, e.g. greedy tokens vs the torch backend.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedrun.attention import kernels as K
+from pagedrun.attention.metadata import AttentionMetadata
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view sharing t's memory (bf16 as uint16, which numpy lacks)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"emulated backend: tensors must be on the CPU, got {t.device}")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+class EmulatedAttentionBackend:
+    name = "emulated"
+
+    def __init__(
+        self,
+        schedule: str = "round_robin",
+        kernels: Callable[[K.KernelVariant], K.PagedKernels] | None = None,
+    ):
+        self.schedule = schedule
+        # Tests hand in kernels from a module they already compiled (emulator builds cost seconds).
+        self._kernels = kernels or (lambda variant: K.emulated_kernels(variant, schedule))
+        self.last_version: str | None = None  # "v1" / "v2" of the latest attention launch (tests)
+
+    def kernels(self, cache: torch.Tensor) -> K.PagedKernels:
+        _, block_size, _, head_size = cache.shape
+        return self._kernels(K.KernelVariant(K.dtype_name(cache.dtype), int(head_size), int(block_size)))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        ker = self.kernels(key_cache)
+        kc, vc = as_numpy(key_cache), as_numpy(value_cache)
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
+        ker.reshape_and_cache(
+            as_numpy(key.contiguous()), as_numpy(value.contiguous()), kc, vc,
+            as_numpy(meta.slot_mapping.to(torch.int64).contiguous()),
+        )
+        out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay 0
+        num_real = sum(meta.query_lens_list)
+        if num_real == 0:
+            return out
+        q = as_numpy(query[:num_real].contiguous())
+        if meta.is_decode_only and num_real == meta.num_seqs:
+            block_tables = as_numpy(meta.block_tables.to(torch.int32).contiguous())
+            seq_lens = np.asarray(meta.seq_lens_list, dtype=np.int32)
+        else:
+            token_to_seq, seq_lens = K.pseudo_sequences(meta.query_lens_list, meta.seq_lens_list)
+            block_tables = np.ascontiguousarray(as_numpy(meta.block_tables.to(torch.int32))[token_to_seq])
+        o = as_numpy(out)[:num_real]
+        self.last_version = ker.paged_attention(
+            o, q, kc, vc, block_tables, seq_lens, int(seq_lens.max()), float(scale)
+        )
+        return out
+
+    def copy_blocks(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
+    ) -> None:
+        if not kv_caches or not pairs:
+            return
+        ker = self.kernels(kv_caches[0][0])
+        keys = [as_numpy(k) for k, _ in kv_caches]
+        values = [as_numpy(v) for _, v in kv_caches]
+        key_ptrs = np.array([a.ctypes.data for a in keys], dtype=np.int64)
+        value_ptrs = np.array([a.ctypes.data for a in values], dtype=np.int64)
+        mapping = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        numel = int(np.prod(kv_caches[0][0].shape[1:]))
+        # keys/values stay referenced until the launch returns: the addresses are only valid that long
+        ker.copy_blocks(key_ptrs, value_ptrs, mapping, numel)
+        del keys, values
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
+        """Swap in/out between two caches: a block copy per (src_block, dst_block), as in vLLM."""
+        for s, d in mapping:
+            dst[d].copy_(src[s])

@@ -1,0 +1,368 @@
+"""The .cu kernels as Python callables: sources, variants, v1/v2 choice and launch helpers.
+
+Everything here works on "device arrays" of one array module `xp`: cupy arrays on a GPU, numpy arrays
+under the CUDA-on-CPU emulator (pagedrun.cudaemu), which takes numpy arrays where CUDA takes device
+pointers. The two attention backends differ only in how they build a module and wrap tensors, so
+grid shapes, shared-memory sizes and argument packing (numpy scalars of the exact parameter types:
+a Python float would be packed as a double) are written once, here.
+
+bfloat16 has no numpy dtype: bf16 tensors travel as int16/uint16 views of the same memory and the
+variant's `dtype` says how the kernel reads them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+ATTENTION_SOURCE = "paged_attention.cu"
+CACHE_OPS_SOURCE = "cache_ops.cu"
+
+NUM_THREADS = 128
+WARP_SIZE = 32
+PARTITION_SIZE = 512
+# vLLM's rule: v1 while the logits of a whole sequence fit comfortably in shared memory and there
+# are enough (head, sequence) blocks to fill the GPU; otherwise split sequences into partitions.
+V1_MAX_SEQ_LEN = 8192
+V1_MIN_BLOCKS = 512
+
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+# dtype name -> (C type in the kernel, numpy dtype of the arrays handed to it)
+DTYPES: dict[str, tuple[str, Any]] = {
+    "float16": ("__half", np.float16),
+    "bfloat16": ("__nv_bfloat16", np.uint16),
+    "float32": ("float", np.float32),
+}
+DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
+
+
+def load_source(name: str) -> str:
+    return (KERNEL_DIR / name).read_text()
+
+
+def full_source() -> str:
+    """Both .cu files as one translation unit (both include only NVRTC-provided headers)."""
+    return load_source(ATTENTION_SOURCE) + "\n" + load_source(CACHE_OPS_SOURCE)
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    dtype: str  # float16 | bfloat16 | float32
+    head_size: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"kernel dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.head_size not in HEAD_SIZES:
+            raise ValueError(f"head_size {self.head_size}: compiled head sizes are {HEAD_SIZES}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size {self.block_size}: compiled block sizes are {BLOCK_SIZES}")
+
+    @property
+    def ctype(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def np_dtype(self) -> Any:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def v1_name(self) -> str:
+        return f"paged_attention_v1_kernel<{self.ctype}, {self.head_size}, {self.block_size}, {NUM_THREADS}>"
+
+    @property
+    def v2_name(self) -> str:
+        return (
+            f"paged_attention_v2_kernel<{self.ctype}, {self.head_size}, {self.block_size}, "
+            f"{NUM_THREADS}, {PARTITION_SIZE}>"
+        )
+
+    @property
+    def reduce_name(self) -> str:
+        return f"paged_attention_v2_reduce_kernel<{self.ctype}, {self.head_size}, {NUM_THREADS}, {PARTITION_SIZE}>"
+
+    @property
+    def reshape_and_cache_name(self) -> str:
+        return f"reshape_and_cache_kernel<{self.ctype}>"
+
+    @property
+    def copy_blocks_name(self) -> str:
+        return f"copy_blocks_kernel<{self.ctype}>"
+
+    def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
+        """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
+        names = []
+        if "v1" in parts:
+            names.append(self.v1_name)
+        if "v2" in parts:
+            names += [self.v2_name, self.reduce_name]
+        if "cache" in parts:
+            names += [self.reshape_and_cache_name, self.copy_blocks_name]
+        return names
+
+
+def all_variants() -> list[KernelVariant]:
+    return [KernelVariant(d, h, b) for d in DTYPES for h in HEAD_SIZES for b in BLOCK_SIZES]
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch or numpy dtype -> 'float16' | 'bfloat16' | 'float32'."""
+    name = str(dtype).replace("torch.", "")
+    if name in DTYPES:
+        return name
+    raise ValueError(f"KV cache dtype {dtype}: the kernels support {', '.join(DTYPES)}")
+
+
+# ---------------------------------------------------------------- v1 / v2 choice and shared memory
+
+
+def num_partitions(max_seq_len: int) -> int:
+    return max(1, -(-max_seq_len // PARTITION_SIZE))
+
+
+def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
+    """vLLM's choice: v1 when max_seq_len <= 8192 and (one partition or num_seqs * num_heads > 512)."""
+    return max_seq_len <= V1_MAX_SEQ_LEN and (
+        num_partitions(max_seq_len) == 1 or num_seqs * num_heads > V1_MIN_BLOCKS
+    )
+
+
+def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int) -> int:
+    """Bytes: fp32 logits of the longest sequence (whole blocks), reused for the output reduction."""
+    padded = -(-max(max_seq_len, 1) // block_size) * block_size
+    return 4 * max(padded, (NUM_THREADS // WARP_SIZE) * head_size)
+
+
+def v2_shared_mem(head_size: int) -> int:
+    return 4 * max(PARTITION_SIZE, (NUM_THREADS // WARP_SIZE) * head_size)
+
+
+def reduce_shared_mem(max_num_partitions: int) -> int:
+    return 4 * 2 * max_num_partitions
+
+
+# ---------------------------------------------------------------- modules
+
+
+ModuleFactory = Callable[[str, list[str]], Any]
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_bf16.h for NVRTC (it has no default include path)."""
+    candidates: list[Path] = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
+    candidates += [Path("/usr/local/cuda/include")]
+    try:  # pip wheels (nvidia-cuda-runtime-cu12 ships the headers)
+        import nvidia  # type: ignore
+
+        for base in nvidia.__path__:
+            candidates += sorted(Path(base).glob("cuda_runtime/include"))
+            candidates += sorted(Path(base).glob("cu*/include"))
+    except ImportError:
+        pass
+    seen: list[str] = []
+    for c in candidates:
+        if (c / "cuda_fp16.h").is_file() and str(c) not in seen:
+            seen.append(str(c))
+    return seen
+
+
+def cupy_module_factory(code: str, names: list[str]) -> Any:
+    import cupy
+
+    options = ("-std=c++17",) + tuple(f"-I{d}" for d in cuda_include_dirs())
+    return cupy.RawModule(code=code, options=options, name_expressions=names)
+
+
+def emulator_module_factory(schedule: str = "round_robin", poison_shared: bool = True) -> ModuleFactory:
+    def make(code: str, names: list[str]) -> Any:
+        from pagedrun.cudaemu import EmuModule
+
+        return EmuModule(code, name_expressions=names, schedule=schedule, poison_shared=poison_shared)
+
+    return make
+
+
+class PagedKernels:
+    """The five kernels of one variant, with launchers. `xp` allocates v2 scratch buffers."""
+
+    def __init__(self, variant: KernelVariant, module: Any, xp: Any):
+        self.variant = variant
+        self.xp = xp
+        self.module = module  # a cupy.RawModule or EmuModule holding (at least) this variant's kernels
+        self._functions: dict[str, Any] = {}
+
+    def function(self, name: str, shared_mem: int = 0) -> Any:
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = self.module.get_function(name)
+        if shared_mem > DEFAULT_SMEM_LIMIT and getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+        return fn
+
+    # ------------------------------------------------------------ cache ops
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """key/value [num_tokens, num_kv_heads, head_size] -> their slots; slot < 0 is skipped."""
+        num_tokens = int(slot_mapping.shape[0])
+        if num_tokens == 0:
+            return
+        _, block_size, num_kv_heads, head_size = key_cache.shape
+        self._check_cache(key_cache, value_cache)
+        for name, t in (("key", key), ("value", value)):
+            _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), f"{name} shape {t.shape}")
+            _check(t.strides[2] == t.itemsize and t.strides[1] == head_size * t.itemsize, f"{name} rows must be contiguous")
+            _check(t.dtype == key_cache.dtype, f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
+        _check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
+        row = num_kv_heads * head_size
+        fn = self.function(self.variant.reshape_and_cache_name)
+        fn(
+            (num_tokens, 1, 1),
+            (min(row, 512), 1, 1),
+            (
+                key, value, key_cache, value_cache, slot_mapping,
+                np.int32(key.strides[0] // key.itemsize), np.int32(value.strides[0] // value.itemsize),
+                np.int32(num_kv_heads), np.int32(head_size),
+            ),
+        )
+
+    def copy_blocks(self, key_cache_ptrs, value_cache_ptrs, block_mapping, numel_per_block: int) -> None:
+        """All layers at once: *_ptrs int64 [num_layers] base addresses, block_mapping int64 [pairs, 2]."""
+        num_layers, num_pairs = int(key_cache_ptrs.shape[0]), int(block_mapping.shape[0])
+        if num_layers == 0 or num_pairs == 0:
+            return
+        fn = self.function(self.variant.copy_blocks_name)
+        fn(
+            (num_layers, num_pairs, 1),
+            (min(numel_per_block, 1024), 1, 1),
+            (key_cache_ptrs, value_cache_ptrs, block_mapping, np.int32(numel_per_block)),
+        )
+
+    # ------------------------------------------------------------ attention
+
+    def paged_attention(
+        self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
+        scale: float, version: str | None = None,
+    ) -> str:
+        """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
+
+        max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
+        Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks).
+        """
+        v = self.variant
+        num_seqs, num_heads, head_size = (int(s) for s in query.shape)
+        if num_seqs == 0:
+            return "none"
+        _, block_size, num_kv_heads, cache_head_size = key_cache.shape
+        self._check_cache(key_cache, value_cache)
+        _check(head_size == cache_head_size, f"query head_size {head_size} != cache {cache_head_size}")
+        _check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        _check(query.strides[2] == query.itemsize and query.strides[1] == head_size * query.itemsize,
+               "query heads must be contiguous")
+        _check(query.dtype == key_cache.dtype and out.dtype == key_cache.dtype, "query/out dtype != cache dtype")
+        _check(out.flags.c_contiguous and tuple(out.shape) == tuple(query.shape), "out must be contiguous like query")
+        _check(block_tables.dtype == np.int32 and block_tables.flags.c_contiguous and block_tables.ndim == 2,
+               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
+        _check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs, "seq_lens must be int32 [num_seqs]")
+        _check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
+        max_seq_len = max(int(max_seq_len), 1)
+        if self.xp is np and num_seqs:  # cheap on the host; on a GPU it would cost a sync
+            _check(int(seq_lens.max()) <= max_seq_len, f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
+        _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
+               f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
+        if version is None:
+            version = "v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2"
+        q_stride = np.int32(query.strides[0] // query.itemsize)
+        common = (
+            query, key_cache, value_cache, np.int32(num_kv_heads), np.float32(scale),
+            block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride,
+        )
+        block = (NUM_THREADS, 1, 1)
+        if version == "v1":
+            smem = v1_shared_mem(max_seq_len, head_size, block_size)
+            self.function(v.v1_name, smem)((num_heads, num_seqs, 1), block, (out,) + common, shared_mem=smem)
+            return "v1"
+        if version != "v2":
+            raise ValueError(f"paged attention version {version!r}: v1 or v2")
+        parts = num_partitions(max_seq_len)
+        xp = self.xp
+        exp_sums = xp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        max_logits = xp.empty((num_seqs, num_heads, parts), dtype=np.float32)
+        tmp_out = xp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
+        smem = v2_shared_mem(head_size)
+        self.function(v.v2_name, smem)(
+            (num_heads, num_seqs, parts), block, (exp_sums, max_logits, tmp_out) + common, shared_mem=smem
+        )
+        rsmem = reduce_shared_mem(parts)
+        self.function(v.reduce_name, rsmem)(
+            (num_heads, num_seqs, 1), block,
+            (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts)), shared_mem=rsmem,
+        )
+        return "v2"
+
+    @staticmethod
+    def _check_cache(key_cache, value_cache) -> None:
+        _check(key_cache.ndim == 4 and tuple(key_cache.shape) == tuple(value_cache.shape),
+               "key/value caches must be [num_blocks, block_size, num_kv_heads, head_size]")
+        _check(key_cache.flags.c_contiguous and value_cache.flags.c_contiguous, "caches must be contiguous")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"paged kernels: {message}")
+
+
+# ---------------------------------------------------------------- prefill as pseudo-sequences
+
+
+def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One pseudo-sequence per query token: (token -> sequence index, its seq_len).
+
+    Query j of sequence i sits at position context_i + j and may see cache positions
+    0..context_i + j, i.e. it is a decode query of a sequence of length context_i + j + 1 that
+    uses sequence i's block table. Causality comes from the lengths alone; decode tokens are the
+    case j = 0 with query length 1.
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    token_to_seq = np.repeat(np.arange(len(q), dtype=np.int64), q)
+    starts = np.cumsum(q) - q
+    j = np.arange(int(q.sum()), dtype=np.int64) - np.repeat(starts, q)
+    lens = (s - q)[token_to_seq] + j + 1
+    return token_to_seq, lens.astype(np.int32)
+
+
+def build_kernels(
+    factory: ModuleFactory, variants: list[KernelVariant], xp: Any,
+    parts: tuple[str, ...] = ("v1", "v2", "cache"), code: str | None = None,
+) -> dict[KernelVariant, PagedKernels]:
+    """One module holding several variants (one compile, which is what costs under the emulator)."""
+    names = list(dict.fromkeys(n for v in variants for n in v.name_expressions(parts)))
+    module = factory(code if code is not None else full_source(), names)
+    return {v: PagedKernels(v, module, xp) for v in variants}
+
+
+@functools.lru_cache(maxsize=None)
+def emulated_kernels(variant: KernelVariant, schedule: str = "round_robin") -> PagedKernels:
+    """Compiled once per process per (variant, schedule): emulator compiles are the slow part."""
+    return build_kernels(emulator_module_factory(schedule), [variant], np)[variant]
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_kernels(variant: KernelVariant) -> PagedKernels:
+    import cupy
+
+    return build_kernels(cupy_module_factory, [variant], cupy)[variant]

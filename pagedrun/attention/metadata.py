@@ -1,0 +1,55 @@
+"""What one model step tells the attention backend: where each token's K/V goes and what it may see.
+
+The scheduler decides *which* tokens run; the model runner turns that decision into this flat,
+tensor-only description. Backends read nothing else, so the same metadata drives the torch
+backend, the CuPy kernels on a GPU and the same kernels run through the CPU harness.
+
+Tokens of all sequences in a step are packed one after another ("varlen" layout):
+
+    tokens:          | seq0: q0 q1 q2 | seq1: q0 | seq2: q0 q1 |
+    query_start_loc:   0               3          4            6
+    seq_lens:          context0 + 3    context1+1 context2 + 2
+    context_lens:      tokens already in the cache before this step (prefix hits, earlier steps)
+
+Sequence i's queries are tokens query_start_loc[i]:query_start_loc[i+1]; its query j sits at
+absolute position context_lens[i] + j and attends (causally) to cache positions 0..context_lens[i]+j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] int64: flat cache slot (block_id * block_size + offset) for each new token's K/V;
+    # a negative slot means "do not write" (padding).
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: prefix sums of query lengths.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: tokens in the cache for each sequence once this step has written its K/V.
+    seq_lens: torch.Tensor
+    # [num_seqs] int32: tokens already in the cache before this step (seq_lens - query lengths).
+    context_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: physical block ids, padded with 0 past each table's end.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Python-side copies of the small per-sequence vectors, so backends need no device sync to loop.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence contributes exactly one query token: the paged decode kernels apply."""
+        return self.max_query_len == 1

@@ -1,0 +1,70 @@
+"""Pick an attention backend by name: auto | torch | cupy | emulated.
+
+auto  -> cupy when CuPy sees a GPU and the model runs on a CUDA device, else torch.
+torch -> pagedrun.attention.torch_backend (plain torch, any device).
+cupy  -> kernels/*.cu through cupy.RawModule; needs a CUDA GPU.
+emulated -> the same kernels through the CUDA-on-CPU emulator (tests; very slow).
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedrun.errors import PagedrunError
+
+BACKEND_NAMES = ("auto", "torch", "cupy", "emulated")
+
+
+def _cupy_gpu() -> bool:
+    try:
+        import cupy
+    except Exception:  # not installed, or a broken CUDA install: no GPU for us either way
+        return False
+    try:
+        return bool(cupy.is_available())
+    except Exception:
+        return False
+
+
+def _emulator_present() -> bool:
+    try:
+        import pagedrun.cudaemu  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def available_backends() -> list[str]:
+    """Concrete backends usable on this machine (auto is always accepted by make_backend)."""
+    names = ["torch"]
+    if _cupy_gpu():
+        names.append("cupy")
+    if _emulator_present():
+        names.append("emulated")
+    return names
+
+
+def make_backend(name: str, device: torch.device | str = "cpu"):
+    device = torch.device(device)
+    if name == "auto":
+        name = "cupy" if device.type == "cuda" and _cupy_gpu() else "torch"
+    if name == "torch":
+        from pagedrun.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "cupy":
+        if not _cupy_gpu():
+            raise PagedrunError("attention_backend: cupy needs a CUDA GPU; use auto or torch")
+        if device.type != "cuda":
+            raise PagedrunError(f"attention_backend: cupy needs the model on a CUDA device, not {device}")
+        from pagedrun.attention.cupy_backend import CupyAttentionBackend
+
+        return CupyAttentionBackend()
+    if name == "emulated":
+        if device.type != "cpu":
+            raise PagedrunError(f"attention_backend: emulated runs on the CPU, not {device}")
+        from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+        return EmulatedAttentionBackend()
+    raise PagedrunError(
+        f"attention_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+    )

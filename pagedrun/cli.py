@@ -1,0 +1,185 @@
+"""The `pagedrun` command line: generate, profile-memory, bench.
+
+Every user error is one line on stderr with a non-zero exit; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from pagedrun.errors import PagedrunError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Offline batch LLM inference through a paged KV cache, with a memory report.")
+console = Console(stderr=True)
+
+RecipeOpt = typer.Option(None, "-r", "--recipe", help="YAML recipe (default: the embedded default recipe).")
+SetOpt = typer.Option(None, "--set", help="Override a recipe field: --set cache.block_size=8 (repeatable).")
+DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
+
+
+def fail(message: str, code: int = 2) -> None:
+    # Text, not markup: a message quoting user input ("got '[red]'", ":smile:") is printed as is.
+    # soft_wrap: one line however narrow the terminal, so the error stays greppable.
+    text = Text.assemble(("error:", "bold red"), " ", " ".join(str(message).splitlines()))
+    console.print(text, highlight=False, soft_wrap=True, emoji=False)
+    raise typer.Exit(code)
+
+
+def run_guarded(debug: bool, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except PagedrunError as e:
+        if debug:
+            raise
+        fail(str(e))
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        console.print(f"interrupted{': ' + str(e) if str(e) else '.'}", highlight=False, soft_wrap=True,
+                      markup=False)
+        raise typer.Exit(130)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class StopFlag:
+    """First SIGINT/SIGTERM: finish the step in progress, keep every finished output, write the
+    partial report, exit with a message saying how to resume.
+
+    A second one exits at once, with os._exit: no unwinding, so nothing (an atexit hook, torch's
+    teardown, a half-built report) can turn it into a traceback or a hang. Nothing is lost by it:
+    the output writer blocks these signals while it writes a line and writes unbuffered, so every
+    finished request is already in the file, whole, and the file is never rewritten in place.
+    """
+
+    def __init__(self, exit_now: Callable[[int], object] = os._exit) -> None:
+        self.stop = False
+        self.signal_name = ""
+        self._exit_now = exit_now
+        self._previous: dict[int, object] = {}
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + signal.Signals[self.signal_name].value if self.signal_name else 130
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put back the handlers install() replaced (for in-process use, e.g. tests). Once stopping,
+        they stay ours: a second Ctrl-C while the process winds down must still exit at once."""
+        if self.stop:
+            return
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stop:
+            # os.write, not the console: we may have interrupted a write to stderr.
+            show_cursor = b"\x1b[?25h" if os.isatty(2) else b""  # the progress bar hid it
+            os.write(2, show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
+                     "file; run the same command again to resume\n".encode())
+            self._exit_now(128 + signum)
+            return
+        self.stop = True
+        self.signal_name = name
+        again = "Ctrl-C" if signum == signal.SIGINT else name
+        try:
+            console.print(f"\n{name}: stopping after this step ({again} again to quit now)", style="yellow",
+                          highlight=False, soft_wrap=True, markup=False)
+        except RuntimeError:  # interrupted a write to stderr ("reentrant call"): say it plainly
+            os.write(2, f"\n{name}: stopping after this step ({again} again to quit now)\n".encode())
+
+    def __call__(self) -> bool:
+        return self.stop
+
+
+@app.command()
+def generate(
+    prompts: Path = typer.Argument(..., help="JSONL file, one request per line."),
+    recipe: Optional[Path] = RecipeOpt,
+    output: Path = typer.Option(Path("outputs.jsonl"), "-o", "--output", help="Output JSONL."),
+    set_: Optional[list[str]] = SetOpt,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start afresh instead of resuming."),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Turn bad lines into error records."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of blocks in use over time."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report on the terminal."),
+    ray: bool = typer.Option(False, "--ray", help="Run data-parallel on a Ray cluster (pip install 'pagedrun[ray]')."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="Ray cluster to join: auto | ray://HOST:PORT (implies --ray)."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
+                                           help="Engines (Ray actors) to run: default one per GPU (implies --ray)."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
+    from pagedrun.generate import run_generate
+
+    code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
+                       overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
+                       quiet=quiet, console=console, stop=StopFlag(), ray=ray, ray_address=ray_address,
+                       replicas=replicas)
+    raise typer.Exit(code or 0)
+
+
+@app.command("profile-memory")
+def profile_memory(
+    recipe: Optional[Path] = RecipeOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Also size concurrency for this file's requests."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the numbers as JSON."),
+    set_: Optional[list[str]] = SetOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Show how the memory budget becomes the number of KV blocks, and where every byte goes."""
+    from pagedrun.profile_memory import run_profile_memory
+
+    run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=set_ or [], prompts=prompts,
+                json_path=json_path, console=console)
+
+
+@app.command()
+def bench(
+    workload: str = typer.Option("standard", "--workload", help="standard | shared-prefix | PROMPTS.jsonl"),
+    model: str = typer.Option("tiny-llama", "--model", help="tiny-llama (29M random Llama) | default | HF dir"),
+    quick: bool = typer.Option(False, "--quick", help="A short run for CI: checks, never speed."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    engines: str = typer.Option("pagedrun,hf-static,hf-continuous", "--engines", help="Comma-separated subset."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes",
+                                              help="HF static batch sizes to sweep, e.g. 8,16,64."),
+    set_: Optional[list[str]] = SetOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Throughput and memory of pagedrun against HF transformers, measured side by side in one run."""
+    from pagedrun.bench import parse_sizes, run_bench
+
+    code = run_guarded(debug, run_bench, workload=workload, model=model, quick=quick, json_path=json_path,
+                       dtype=dtype, engines=engines.split(","), overrides=set_ or [], console=console,
+                       static_batch_sizes=parse_sizes(batch_sizes))
+    raise typer.Exit(code or 0)
+
+
+def main() -> None:  # `python -m pagedrun`
+    app(prog_name="pagedrun")
+
+
+if __name__ == "__main__":
+    main()

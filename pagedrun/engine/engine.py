@@ -1,0 +1,344 @@
+"""LLMEngine.step(): one iteration of continuous batching.
+
+    1. scheduler.schedule()            -> SchedulerOutput (tensor-free decision)
+    2. cache_engine swap in / swap out / copy, in that order
+    3. model_runner.execute()          -> logits of the sequences that produce a token
+    4. sampler                          -> token ids (n rows for a prompt that forks into n)
+    5. advance progress, register full blocks in the prefix cache, fork, check stops, free blocks
+    6. record a StepRecord              -> the run's report
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedrun.engine.model_runner import ModelInput, ModelRunner
+from pagedrun.engine.output_processor import check_stop, final_text
+from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedrun.engine.sequence import Sequence, SequenceGroup
+from pagedrun.errors import PagedrunError
+from pagedrun.kv.cache_engine import CacheEngine
+from pagedrun.kv.manager import KVCacheManager
+from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.metrics import StepRecord
+from pagedrun.recipe import Recipe
+from pagedrun.sampler import Sampler, SamplingRow, make_generator
+from pagedrun.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # children of one seeded request draw from distinct streams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason not in (None, "abort") for o in self.outputs) and self.error is None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PagedrunError("model.device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
+    return torch.device(name)
+
+
+def resolve_model_dir(path: str) -> Path:
+    if path == "default":
+        from pagedrun.models.default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(path)
+
+
+class LLMEngine:
+    def __init__(self, recipe: Recipe):
+        from pagedrun.attention.registry import make_backend
+        from pagedrun.models.loader import load_model, load_tokenizer
+
+        self.recipe = recipe
+        if recipe.model.threads:
+            torch.set_num_threads(recipe.model.threads)
+        self.device = resolve_device(recipe.model.device)
+        self.dtype = DTYPES[recipe.model.dtype]
+        self.model_dir = resolve_model_dir(recipe.model.path)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        cfg = self.model_config
+        self.max_model_len = recipe.model.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise PagedrunError(
+                f"model.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
+        sched = recipe.scheduler
+        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
+                                                self.max_model_len)
+        num_cpu_blocks = self.memory.num_cpu_blocks if sched.preemption_mode == "swap" else 0
+        self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                        recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
+                                        self.dtype, self.device)
+        self.backend = make_backend(recipe.model.attention_backend, self.device)
+        self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
+                                 enable_prefix_caching=recipe.cache.enable_prefix_caching,
+                                 watermark=recipe.cache.watermark)
+        self.scheduler = Scheduler(
+            SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, sched.preemption_mode),
+            self.kv, self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
+                                  self.device)
+        self.sampler = Sampler(recipe.seed)
+        eos = set(cfg.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+        self.generators: dict[int, torch.Generator] = {}
+        self.steps: list[StepRecord] = []
+        self.t0 = time.perf_counter()
+        self._next_seq_id = 0
+        self._last_stats = self._stats_snapshot()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, index: int, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        seq = Sequence(self._new_seq_id(), len(prompt_token_ids), list(prompt_token_ids))
+        group = SequenceGroup(request_id, index, sampling, [seq])
+        if sampling.seed is not None:
+            self.generators[seq.seq_id] = make_generator(sampling.seed)
+        self.scheduler.add_group(group)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    # ---- one iteration ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule()
+        finished = [self._error_output(g, reason) for g, reason in out.aborted]
+        if out.is_empty:
+            finished += self._unblock()
+            return finished
+
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.copy(out.blocks_to_copy)
+
+        inputs = [
+            ModelInput(s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
+                       s.seq.num_computed_tokens, self.kv.get_block_table(s.seq.seq_id), s.samples)
+            for s in out.scheduled
+        ]
+        logits = self.runner.execute(inputs)
+
+        # Rows to sample: one per sampling sequence, n for a prompt that is about to fork into n.
+        row_of, rows, row_owner = [], [], []
+        r = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            group = s.group
+            fan = group.sampling.n if (group.sampling.n > 1 and not group.forked) else 1
+            gens = self._generators(s.seq, group, fan)
+            for k in range(fan):
+                row_of.append(r)
+                rows.append(SamplingRow(group.sampling, gens[k]))
+            row_owner.append((s, fan, gens))
+            r += 1
+        result = None
+        if rows:
+            expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]
+            result = self.sampler(expanded, rows)
+
+        now = time.perf_counter()
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.group.first_scheduled_time is None:
+                s.group.first_scheduled_time = t_start
+        j = 0
+        touched_groups: list[SequenceGroup] = []
+        for s, fan, gens in row_owner:
+            tokens = result.token_ids[j : j + fan]
+            lps = result.logprobs[j : j + fan]
+            j += fan
+            group = s.group
+            seqs = [s.seq]
+            if fan > 1:
+                seqs += self._fork(group, gens[1:])
+            for seq, tok, lp in zip(seqs, tokens, lps):
+                seq.append_token(tok)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                check_stop(seq, group.sampling, self.eos_token_ids, self.max_model_len, self.tokenizer)
+                if seq.is_finished:
+                    self.scheduler.free_seq(seq)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if group not in touched_groups:
+                touched_groups.append(group)
+                group.token_times.append(now)
+        done = self.scheduler.remove_finished()
+        for g in done:
+            g.finished_time = now
+            finished.append(self._request_output(g))
+        self._record(out, t_start, len(finished), len(rows))
+        return finished
+
+    def _generators(self, seq: Sequence, group: SequenceGroup, fan: int) -> list[torch.Generator | None]:
+        """The sequence's own generator; for a prompt about to fork, one new stream per child."""
+        if group.sampling.seed is None:
+            return [None] * fan
+        return [self.generators[seq.seq_id]] + [
+            make_generator(group.sampling.seed + k * _CHILD_SEED_STRIDE) for k in range(1, fan)
+        ]
+
+    def _fork(self, group: SequenceGroup, gens: list[torch.Generator | None]) -> list[Sequence]:
+        parent = group.seqs[0]
+        children = []
+        for g in gens:
+            child = Sequence(self._new_seq_id(), parent.prompt_len, list(parent.token_ids),
+                             num_computed_tokens=parent.num_computed_tokens)
+            if g is not None:
+                self.generators[child.seq_id] = g
+            children.append(child)
+        self.scheduler.fork(group, children)
+        return children
+
+    def _unblock(self) -> list[RequestOutput]:
+        """Nothing could be scheduled: if nothing runs either, the head of the queue can never fit."""
+        sch = self.scheduler
+        if sch.running or not sch.waiting:
+            return []
+        group = sch.waiting.popleft()
+        for seq in group.unfinished_seqs():
+            seq.finish("abort")
+        return [self._error_output(group, f"cannot be admitted: {self.kv.num_free_gpu_blocks} KV blocks free of "
+                                          f"{self.kv.num_gpu_blocks}; raise the KV budget")]
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def _request_output(self, g: SequenceGroup) -> RequestOutput:
+        completions = [
+            CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
+                             s.logprobs if g.sampling.logprobs is not None else None)
+            for i, s in enumerate(g.seqs)
+        ]
+        for s in g.seqs:
+            self.generators.pop(s.seq_id, None)
+        t = g.token_times
+        itl = [b - a for a, b in zip(t, t[1:])]
+        metrics = {
+            "queued_s": _round((g.first_scheduled_time or g.arrival_time) - g.arrival_time),
+            "ttft_s": _round((g.first_token_time or g.arrival_time) - g.arrival_time),
+            "e2e_s": _round((g.finished_time or g.arrival_time) - g.arrival_time),
+            "mean_itl_s": _round(sum(itl) / len(itl)) if itl else None,
+            "itl_s": [_round(x) for x in itl],
+        }
+        return RequestOutput(g.request_id, g.index, g.seqs[0].token_ids[: g.prompt_len], completions,
+                             g.num_cached_prompt_tokens, g.num_preemptions, metrics)
+
+    def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput:
+        for s in g.seqs:
+            self.generators.pop(s.seq_id, None)
+        return RequestOutput(g.request_id, g.index, g.seqs[0].token_ids[: g.prompt_len], [], error=reason)
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def _stats_snapshot(self) -> dict:
+        st = self.kv.stats
+        return {k: getattr(st, k) for k in ("prefix_query_tokens", "prefix_hit_tokens", "cow_copies")}
+
+    def _record(self, out: SchedulerOutput, t_start: float, num_finished: int, num_sampled: int) -> None:
+        stats = self._stats_snapshot()
+        delta = {k: stats[k] - self._last_stats[k] for k in stats}
+        self._last_stats = stats
+        sch = self.scheduler
+        self.steps.append(StepRecord(
+            step=len(self.steps),
+            t_start=t_start - self.t0,
+            t_end=time.perf_counter() - self.t0,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_seqs=len(out.scheduled),
+            num_sampled_tokens=num_sampled,
+            blocks_in_use=self.kv.num_used_gpu_blocks,
+            blocks_cached_free=self.kv.num_cached_free_blocks,
+            tokens_stored=self._tokens_stored(),
+            num_running=sch.num_running_seqs,
+            num_waiting=sum(len(g.unfinished_seqs()) for g in sch.waiting),
+            num_swapped=sum(len(g.unfinished_seqs()) for g in sch.swapped),
+            preempted_recompute=out.preempted_recompute,
+            preempted_swap=out.preempted_swap,
+            swap_fallbacks=out.swap_fallbacks,
+            prefix_query_tokens=delta["prefix_query_tokens"],
+            prefix_hit_tokens=delta["prefix_hit_tokens"],
+            cow_copies=delta["cow_copies"],
+            swap_in_blocks=len(out.blocks_to_swap_in),
+            swap_out_blocks=len(out.blocks_to_swap_out),
+            num_finished=num_finished,
+            **self._occupancy(),
+        ))
+
+    def _occupancy(self) -> dict:
+        """Tokens assigned to slots and tokens held per sequence, and the contiguous reservation that
+        the same running sequences would need (the report's what-if; computed, not allocated)."""
+        bs = self.kv.block_size
+        assigned: dict[int, int] = {}
+        logical = reserved = 0
+        for g in self.scheduler.running:
+            want = min(g.prompt_len + g.sampling.max_tokens, self.max_model_len)
+            for seq in g.unfinished_seqs():
+                logical += seq.num_computed_tokens
+                reserved += want
+                n = self.kv.get_num_tokens(seq.seq_id)
+                for i, b in enumerate(self.kv.get_block_table(seq.seq_id)):
+                    f = min(bs, n - i * bs)
+                    if f <= 0:
+                        break
+                    if f > assigned.get(b, 0):
+                        assigned[b] = f
+        return {"tokens_assigned": sum(assigned.values()), "tokens_logical": logical,
+                "reserved_contiguous_tokens": reserved, "num_running_requests": len(self.scheduler.running)}
+
+    def _tokens_stored(self) -> int:
+        """Slots that hold computed KV, counted once per distinct block (forked children share)."""
+        bs = self.kv.block_size
+        filled: dict[int, int] = {}
+        for g in self.scheduler.running:
+            for seq in g.unfinished_seqs():
+                n = seq.num_computed_tokens
+                for i, b in enumerate(self.kv.get_block_table(seq.seq_id)):
+                    f = min(bs, n - i * bs)
+                    if f <= 0:
+                        break
+                    if f > filled.get(b, 0):
+                        filled[b] = f
+        return sum(filled.values())
+
+
+def _round(x: float) -> float:
+    return round(x, 6)

@@ -1,0 +1,118 @@
+"""LLM: the facade the CLI and Python users share.
+
+    from pagedrun import LLM, SamplingParams
+    llm = LLM()                                   # the default recipe and model
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+It owns no tensors and no scheduling: it turns prompts into requests, feeds the engine, and hands
+finished requests to a callback as they finish (so the CLI can write them at once).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedrun.engine.engine import LLMEngine, RequestOutput
+from pagedrun.errors import PagedrunError
+from pagedrun.io.requests import InvalidRequest, Request, _build_request, _LineError, read_requests
+from pagedrun.metrics import StepRecord
+from pagedrun.recipe import Recipe, load_recipe
+from pagedrun.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, recipe: Recipe | str | Path | None = None, overrides: Sequence[str] = ()):
+        if not isinstance(recipe, Recipe):
+            recipe = load_recipe(Path(recipe) if recipe is not None else None, list(overrides))
+        self.recipe = recipe
+        self.engine = LLMEngine(recipe)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- requests -----------------------------------------------------------------------------
+    def read_requests(self, path: Path, skip_invalid: bool = False) -> tuple[list[Request], list[InvalidRequest]]:
+        return read_requests(Path(path), self.tokenizer, self.recipe.sampling,
+                             vocab_size=self.engine.model_config.vocab_size,
+                             max_model_len=self.engine.max_model_len, skip_invalid=skip_invalid)
+
+    def make_requests(self, prompts: Sequence[Any], sampling_params: SamplingParams | None = None) -> list[Request]:
+        """Prompts as str, token-id lists, request dicts (the JSONL schema) or Requests."""
+        defaults = sampling_params or self.recipe.sampling
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, Request):
+                out.append(p)
+                continue
+            obj = {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else dict(p)
+            rid = str(obj.get("id", i))
+            try:
+                req = _build_request(obj, rid, i + 1, "prompts", self.tokenizer, defaults,
+                                     self.engine.model_config.vocab_size)
+            except _LineError as e:
+                raise PagedrunError(f"prompts[{i}]: {e.field}: {e.message}") from None
+            if len(req.prompt_token_ids) > self.engine.max_model_len - 1:
+                raise PagedrunError(f"prompts[{i}]: prompt has {len(req.prompt_token_ids)} tokens; "
+                                    f"max_model_len is {self.engine.max_model_len}")
+            out.append(req)
+        return out
+
+    # ---- running ------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request], on_output: Callable[[RequestOutput], None] | None = None,
+            on_step: Callable[[StepRecord], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Run requests to completion; returns the finished ones in input order. should_stop is asked
+        before every step; True ends the run after the step in progress (used for SIGINT/SIGTERM)."""
+        engine = self.engine
+        for i, req in enumerate(requests):
+            engine.add_request(req.id, i, req.prompt_token_ids, req.sampling)
+        results: list[RequestOutput] = []
+        while engine.has_unfinished():
+            if should_stop is not None and should_stop():
+                # Unfinished requests are dropped, not written: a resume redoes them from scratch.
+                engine.scheduler.abort_all()
+                break
+            finished = engine.step()
+            for o in finished:
+                results.append(o)
+                if on_output is not None:
+                    on_output(o)
+            if on_step is not None and engine.steps:
+                on_step(engine.steps[-1])
+        results.sort(key=lambda o: o.index)
+        return results
+
+    def generate(self, prompts: Sequence[Any], sampling_params: SamplingParams | None = None,
+                 **kwargs) -> list[RequestOutput]:
+        return self.run(self.make_requests(prompts, sampling_params), **kwargs)
+
+
+def output_record(o: RequestOutput) -> dict:
+    """One line of outputs.jsonl."""
+    rec: dict[str, Any] = {"id": o.request_id, "prompt_tokens": len(o.prompt_token_ids)}
+    if o.error is not None:
+        rec["error"] = o.error
+        return rec
+    completions = [
+        {k: v for k, v in (("index", c.index), ("text", c.text), ("token_ids", c.token_ids),
+                           ("finish_reason", c.finish_reason), ("stop_reason", c.stop_reason),
+                           ("logprobs", c.logprobs)) if k != "logprobs" or v is not None}
+        for c in o.outputs
+    ]
+    if len(completions) == 1:
+        c = completions[0]
+        c.pop("index")
+        rec.update(c)
+    else:
+        rec["outputs"] = completions
+    rec["cached_prompt_tokens"] = o.num_cached_prompt_tokens
+    rec["num_preemptions"] = o.num_preemptions
+    rec["metrics"] = o.metrics
+    return rec
+
+
+def invalid_record(r: InvalidRequest) -> dict:
+    return {"id": r.id, "error": r.error}

@@ -1,0 +1,86 @@
+"""ModelRunner: turn one scheduler decision into tensors, run the model, return the logits to sample.
+
+Input: for each scheduled sequence, the token ids to compute, their first position and the
+sequence's block table. Output: logits for the sequences whose step ends at their last token.
+This is the only place where the scheduler's lists become tensors (AttentionMetadata), so the
+scheduler stays tensor-free and the model stays request-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrun.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    token_ids: list[int]  # the new tokens of this sequence, in order
+    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+    sample: bool  # produce logits for the last token
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, backend, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+
+    def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for inp in inputs:
+            n = len(inp.token_ids)
+            input_ids.extend(inp.token_ids)
+            pos = range(inp.start_pos, inp.start_pos + n)
+            positions.extend(pos)
+            table = inp.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_lens.append(n)
+            seq_lens.append(inp.start_pos + n)
+        max_blocks = max(len(inp.block_table) for inp in inputs)
+        tables = torch.zeros(len(inputs), max_blocks, dtype=torch.int32)
+        for i, inp in enumerate(inputs):
+            tables[i, : len(inp.block_table)] = torch.tensor(inp.block_table, dtype=torch.int32)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([s - q for s, q in zip(seq_lens, query_lens)], dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos_t, meta
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[ModelInput]) -> torch.Tensor:
+        """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs."""
+        ids, positions, meta = self.build_metadata(inputs)
+        hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+        last = []
+        end = 0
+        for inp in inputs:
+            end += len(inp.token_ids)
+            if inp.sample:
+                last.append(end - 1)
+        if not last:
+            return torch.empty(0, 0)
+        return self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])

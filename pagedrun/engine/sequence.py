@@ -1,0 +1,107 @@
+"""Sequence and SequenceGroup: the scheduler's view of a request (token ids and progress; no tensors).
+
+A request with `n` completions is one SequenceGroup. It starts with a single Sequence holding the
+prompt; when the prompt has been computed and the first tokens are sampled, the engine forks it into
+n sequences that share the prompt's KV blocks (copy-on-write in the KV manager).
+
+Progress is one number per sequence, `num_computed_tokens`: how many of its tokens have KV in the
+cache. Everything the scheduler does reduces to "compute tokens num_computed..num_tokens", which
+covers a fresh prefill, a chunked prefill, a prefill after a prefix-cache hit, a decode step and
+a recompute after preemption with the same code path (vLLM v1's formulation).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedrun.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict] = field(default_factory=list)
+    # Text up to and including the last token, kept only while stop strings must be checked.
+    text: str = ""
+    stop_text_cut: int | None = None  # length of the text to keep when a stop string matched
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+@dataclass
+class SequenceGroup:
+    """One request: its sampling parameters, its sequences, and its timeline."""
+
+    request_id: str
+    index: int  # position in the input, for ordered outputs
+    sampling: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each decode step of the group produced tokens
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
+    num_preemptions: int = 0
+    forked: bool = False  # n > 1: the prompt sequence has been forked into n children
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seqs[0].prompt_len
+
+    @property
+    def status(self) -> SequenceStatus:
+        live = [s.status for s in self.seqs if not s.is_finished]
+        return live[0] if live else SequenceStatus.FINISHED
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences this group will run at once: n after the fork."""
+        return self.sampling.n if not self.forked else len(self.unfinished_seqs())

@@ -1,0 +1,229 @@
+"""Ordered, resumable output writing: nothing computed is lost, a re-run picks up where it stopped.
+
+While the run goes, each finished request is appended as one complete JSON line: one unbuffered
+write with SIGINT/SIGTERM blocked, so neither a signal nor the CLI's "exit now" on a second Ctrl-C
+can leave half a line; the line is in the kernel as soon as `write` returns (it survives the process
+being killed) and is fsynced every `fsync_interval_s` (it survives the machine going down). At the
+end the file is rewritten in input order through a temporary file and an atomic rename.
+
+A companion `OUT.meta.json` holds the fingerprint of the recipe and of the prompts file, so that a
+re-run with other inputs is refused instead of silently mixing two jobs' outputs.
+
+On a re-run every complete line that parses is kept and its request skipped. What a crash can leave
+behind (a torn last line without its newline, a line that does not parse, a second line for the
+same request) is dropped, the file is rewritten without it, and those requests are redone.
+
+Records are keyed, not just by id: a request that ran is keyed by its id (unique among the requests
+that run), an error record for an input line that could not run by its line number, which it
+carries as "line". With --skip-invalid a duplicate-id line becomes an error record with the same
+id as the request it duplicates; keyed by line, the two are neither merged nor lost.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from pagedrun.errors import PagedrunError
+
+META_VERSION = 1
+
+Key = tuple[str, str]  # ("id", request id) or ("line", "7")
+_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def meta_path(out: Path) -> Path:
+    return out.with_name(out.name + ".meta.json")
+
+
+def request_key(request_id: str) -> Key:
+    return ("id", str(request_id))
+
+
+def invalid_key(line: int) -> Key:
+    return ("line", str(line))
+
+
+def record_key(rec: object) -> Key | None:
+    """The key of one output line, or None if it is not an output record."""
+    if not isinstance(rec, dict) or "id" not in rec:
+        return None
+    if "error" in rec and "line" in rec:
+        return invalid_key(rec["line"])
+    return request_key(rec["id"])
+
+
+def _encode(record: dict) -> bytes:
+    # ensure_ascii=False keeps text readable; json escapes "\n" inside strings, so one record is
+    # exactly one line.
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+class OutputWriter:
+    """`OutputWriter(path, fingerprint)` checks and reads a previous run's output without changing
+    anything (so a refusal costs nothing); `open()` starts writing."""
+
+    def __init__(self, path: Path, fingerprint: dict, *, overwrite: bool = False, fsync_interval_s: float = 5.0):
+        self.path = Path(path)
+        self.fingerprint = dict(fingerprint)
+        self.overwrite = overwrite
+        self.fsync_interval_s = fsync_interval_s
+        self.done: dict[Key, dict] = {}  # from a previous run and this one, in file order
+        self.resumed = 0  # records kept from a previous run
+        self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
+        self._needs_rewrite = False
+        self._fd: int | None = None
+        self._last_fsync = time.monotonic()
+        if self.path.is_dir():
+            raise PagedrunError(f"{self.path}: is a directory; -o needs a file path")
+        if not overwrite:
+            self._load_previous()
+            self.resumed = len(self.done)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.done
+
+    # ---- resume -------------------------------------------------------------------------------
+    def _load_previous(self) -> None:
+        if not self.path.exists():
+            return
+        meta = meta_path(self.path)
+        if not meta.exists():
+            if self.path.stat().st_size == 0:
+                return
+            raise PagedrunError(
+                f"{self.path}: exists and was not written by pagedrun generate (no {meta.name}); "
+                "pass --overwrite to replace it, or choose another -o"
+            )
+        try:
+            previous = json.loads(meta.read_text(encoding="utf-8"))
+            old = previous["fingerprint"]
+            if not isinstance(old, dict):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError):
+            raise PagedrunError(f"{meta}: unreadable; pass --overwrite to start afresh, or choose another -o") from None
+        changed = [k for k, v in self.fingerprint.items() if old.get(k) != v]
+        if changed:
+            what = " and ".join("recipe" if k == "recipe" else "prompts file" if k == "prompts" else k
+                                for k in changed)
+            raise PagedrunError(
+                f"{self.path}: holds outputs of a run with a different {what} (fingerprint in {meta.name}); "
+                "pass --overwrite to start afresh, or choose another -o"
+            )
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise PagedrunError(f"{self.path}: cannot read: {e.strerror}") from None
+        lines = data.split(b"\n")
+        torn = lines.pop()  # after the last newline: empty, or a line the writer died in
+        if torn.strip():
+            self.discarded += 1
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:  # includes bad UTF-8
+                rec = None
+            key = record_key(rec)
+            if key is None or key in self.done:
+                self.discarded += 1
+                continue
+            self.done[key] = rec
+        self._needs_rewrite = self.discarded > 0 or bool(torn)
+
+    # ---- writing --------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Write the metadata, drop what a previous run left half-done, and open for appending."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for stale in (self._tmp_path(), meta_path(self.path).with_suffix(".tmp")):
+                stale.unlink(missing_ok=True)  # left by a run killed mid-rename
+            if self.overwrite:
+                self.path.unlink(missing_ok=True)
+            elif self._needs_rewrite:
+                self._rewrite(self.done.values())
+            self._write_meta()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
+        self._last_fsync = time.monotonic()
+
+    def _write_meta(self) -> None:
+        meta = meta_path(self.path)
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint}, indent=1) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, meta)
+
+    def write(self, record: dict, key: Key | None = None) -> None:
+        """Append one record (key defaults to record_key(record))."""
+        if self._fd is None:
+            raise RuntimeError("OutputWriter.write before open()")
+        key = key or record_key(record)
+        line = _encode(record)
+        # Blocked, a signal waits until the whole line is in the file; its handler runs right after.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            self.done[key] = record
+            now = time.monotonic()
+            if now - self._last_fsync >= self.fsync_interval_s:
+                os.fsync(self._fd)
+                self._last_fsync = now
+        except OSError as e:
+            raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def finalize(self, order: Iterable[Key]) -> None:
+        """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last."""
+        self.close()
+        pos = {k: i for i, k in enumerate(order)}
+        keys = sorted(self.done, key=lambda k: pos.get(k, len(pos)))
+        try:
+            self._rewrite(self.done[k] for k in keys)
+        except OSError as e:
+            raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
+
+    def _tmp_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".tmp")
+
+    def _rewrite(self, records: Iterable[dict]) -> None:
+        # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
+        tmp = self._tmp_path()
+        with open(tmp, "wb") as f:
+            for rec in records:
+                f.write(_encode(rec))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable (best effort: not every platform can open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,109 @@
+"""CacheEngine: the physical KV cache tensors, the CPU swap space, and the block moves between them.
+
+Per layer the attention backends see (key_cache, value_cache), each
+[num_blocks, block_size, num_kv_heads, head_size] (pagedrun/attention/backend.py). Here all of them
+are views of ONE tensor per device, [num_layers, 2 (K/V), num_blocks, block_size, kv_heads, head_size]:
+every view is still contiguous (it fixes the two leading indices), and a swap or a copy-on-write
+batch becomes a single gather + scatter along the block dimension for all layers at once, instead
+of a Python loop over layers and blocks (vLLM's swap_blocks / copy_blocks kernels do the same job).
+
+The manager decides which blocks move; this class only moves bytes.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
+
+
+def _as_dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: Union[torch.dtype, str],
+        device: Union[torch.device, str],
+    ):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.dtype = _as_dtype(dtype)
+        self.device = torch.device(device)
+        shape = (num_layers, 2)
+        block_shape = (block_size, num_kv_heads, head_size)
+        # Uninitialised on purpose: a slot is only read after the step that wrote it.
+        self.gpu_kv_cache = torch.empty(shape + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
+        # Pinned host memory makes host<->device copies DMA transfers that need no staging copy.
+        pin = self.device.type == "cuda"
+        self.cpu_kv_cache = torch.empty(shape + (num_cpu_blocks,) + block_shape, dtype=self.dtype, pin_memory=pin)
+        self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.gpu_kv_cache[i, 0], self.gpu_kv_cache[i, 1]) for i in range(num_layers)
+        ]
+        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.cpu_kv_cache[i, 0], self.cpu_kv_cache[i, 1]) for i in range(num_layers)
+        ]
+
+    @staticmethod
+    def block_bytes(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
+                    dtype: Union[torch.dtype, str]) -> int:
+        """Bytes one block occupies across all layers, K and V: 2 * L * H * D * block_size * elem."""
+        elem = torch.empty((), dtype=_as_dtype(dtype)).element_size()
+        return 2 * num_layers * num_kv_heads * head_size * block_size * elem
+
+    # ------------------------------------------------------------------ moves
+    @staticmethod
+    def _split(mapping: BlockMapping, src_limit: int, dst_limit: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = [s for s, _ in mapping]
+        dst = [d for _, d in mapping]
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"block mapping writes a destination twice: {mapping}")
+        if min(src) < 0 or max(src) >= src_limit or min(dst) < 0 or max(dst) >= dst_limit:
+            raise IndexError(f"block mapping {mapping} outside [0, {src_limit}) -> [0, {dst_limit})")
+        return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+
+    def swap_in(self, mapping: BlockMapping) -> None:
+        """CPU -> GPU, [(cpu_block, gpu_block)]."""
+        if not mapping:
+            return
+        src, dst = self._split(mapping, self.num_cpu_blocks, self.num_gpu_blocks)
+        staged = self.cpu_kv_cache.index_select(2, src)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        self.gpu_kv_cache.index_copy_(2, dst.to(self.device), staged.to(self.device, non_blocking=True))
+
+    def swap_out(self, mapping: BlockMapping) -> None:
+        """GPU -> CPU, [(gpu_block, cpu_block)]. Synchronous: the GPU blocks may be reused next step."""
+        if not mapping:
+            return
+        src, dst = self._split(mapping, self.num_gpu_blocks, self.num_cpu_blocks)
+        staged = self.gpu_kv_cache.index_select(2, src.to(self.device)).to("cpu")
+        self.cpu_kv_cache.index_copy_(2, dst, staged)
+
+    def copy(self, pairs: BlockMapping) -> None:
+        """Copy-on-write on the GPU cache, every layer, K and V: [(src_block, dst_block)]."""
+        if not pairs:
+            return
+        src, dst = self._split(pairs, self.num_gpu_blocks, self.num_gpu_blocks)
+        src, dst = src.to(self.device), dst.to(self.device)
+        # Gather before scatter, so a destination that is also a source reads the old bytes.
+        self.gpu_kv_cache.index_copy_(2, dst, self.gpu_kv_cache.index_select(2, src))

@@ -1,0 +1,460 @@
+"""KVCacheManager: which physical blocks each sequence's KV lives in. No tensors here.
+
+The scheduler asks it questions (can_allocate, can_append_slots, can_swap_in/out) and then
+orders the change; the changes return the block moves that CacheEngine must perform (copy-on-write
+pairs, swap mappings). Every operation checks before it touches anything, so an operation that
+cannot complete raises NoFreeBlocksError with every structure unchanged (seed 001's rule).
+
+Prefix caching follows vLLM v1: full blocks are registered under chained hashes once their KV has
+been computed (cache_blocks); a new prompt takes matching blocks by reference (touch), including
+blocks that are free but still hashed. A prompt that is entirely cached still recomputes its last
+token, because the step has to produce logits for it: hits are capped at len(prompt) - 1 tokens.
+
+Swap follows vLLM v0 (the seeds): a request's sequences move to a second BlockPool (CPU, no
+caching) together, and a block shared by several of them moves once and stays shared.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+from pagedrun.kv.block_pool import BlockPool, InvariantError, KVCacheBlock, NoFreeBlocksError
+from pagedrun.kv.block_table import BlockTable
+from pagedrun.kv.hashing import HashFn, hash_block_tokens
+
+__all__ = ["KVCacheManager", "KVStats", "NoFreeBlocksError", "InvariantError"]
+
+
+@dataclass
+class KVStats:
+    """Cumulative counters (never reset by the manager); the report reads them."""
+
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache by allocate()
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV was reused
+    cow_copies: int = 0  # blocks copied on write
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    evictions: int = 0  # cached blocks whose entry was dropped to reuse the block
+    allocations: int = 0  # sequences admitted by allocate()
+    allocated_blocks: int = 0  # fresh GPU blocks taken from the free queue (any reason)
+    forks: int = 0
+    frees: int = 0
+    peak_used_gpu_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass
+class _CacheProgress:
+    """How far cache_blocks() got along one table: blocks [0, num_cached_blocks) are done."""
+
+    num_cached_blocks: int = 0
+    parent_hash: Any = None  # chained hash of block num_cached_blocks - 1
+    # The cache entry holding that block (ours, or an identical one computed by someone else) and
+    # its cache_id when we chained to it: if the entry is evicted meanwhile the chain is broken.
+    parent_block: Optional[KVCacheBlock] = None
+    parent_cache_id: Optional[int] = None
+    broken: bool = False  # a collision or a lost parent: nothing further can be registered
+
+    def copy(self) -> "_CacheProgress":
+        return replace(self)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        hash_fn: Optional[HashFn] = None,
+    ):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        # Admission keeps this many blocks free so running sequences can still grow (vLLM v0).
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.hash_fn: HashFn = hash_fn if hash_fn is not None else hash_block_tokens
+        self.gpu_pool = BlockPool(num_gpu_blocks, enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.stats = KVStats()
+        self._tables: dict[int, BlockTable] = {}
+        self._swapped: set[int] = set()  # seq_ids whose table points into cpu_pool
+        self._progress: dict[int, _CacheProgress] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self.gpu_pool.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.num_gpu_blocks - self.gpu_pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.gpu_pool.num_cached_free_blocks
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        return list(self._table(seq_id).block_ids)
+
+    def get_num_tokens(self, seq_id: int) -> int:
+        return self._table(seq_id).num_tokens
+
+    def get_slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Cache slots of positions start .. end-1 of a sequence on the GPU (its slot_mapping)."""
+        return self._gpu_table(seq_id).slots(start, end)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        self._table(seq_id)
+        return seq_id in self._swapped
+
+    def get_num_required_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _find_cached_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any]]:
+        """Leading prefix-cache hits (blocks and their chained hashes); changes nothing."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        # Cap: the last prompt token is always computed, so hits cover at most len-1 tokens.
+        max_blocks = (len(token_ids) - 1) // bs
+        hits: list[KVCacheBlock] = []
+        hashes: list[Any] = []
+        parent_hash = None
+        parent: Optional[KVCacheBlock] = None
+        for i in range(max_blocks):
+            blk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.hash_fn(parent_hash, blk, None)
+            block = self.gpu_pool.get_cached_block(h, blk, parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(h)
+            parent_hash, parent = h, block
+        return hits, hashes
+
+    def get_num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        hits, _ = self._find_cached_blocks(token_ids)
+        return len(hits) * self.block_size
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the full blocks within the first num_computed_tokens whose KV now exists."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._table(seq_id)
+        if seq_id in self._swapped:
+            return
+        prog = self._progress[seq_id]
+        if prog.broken:
+            return
+        bs = self.block_size
+        pool = self.gpu_pool
+        num_full = min(num_computed_tokens, len(token_ids), table.num_tokens) // bs
+        for i in range(prog.num_cached_blocks, num_full):
+            parent = prog.parent_block
+            if parent is not None and parent.cache_id != prog.parent_cache_id:
+                prog.broken = True  # the entry we chained to was evicted: the chain cannot grow
+                return
+            blk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.hash_fn(prog.parent_hash, blk, None)
+            block = pool.blocks[table.block_ids[i]]
+            parent_id = parent.cache_id if parent is not None else None
+            if block.block_hash is not None:
+                # A prefix hit, or a fork sibling sharing this block registered it first.
+                if block.block_hash != h or block.token_ids != blk or block.parent_cache_id != parent_id:
+                    prog.broken = True
+                    return
+                entry = block
+            else:
+                entry = pool.get_cached_block(h, blk, parent)
+                if entry is None:
+                    self._drop_stale_free_entry(h)
+                    if not pool.cache_full_block(block, h, blk, parent):
+                        prog.broken = True  # the hash belongs to a different prefix still in use
+                        return
+                    entry = block
+                # else: an identical block computed concurrently already holds the entry; ours
+                # stays unhashed (freed to the front) and the chain continues through that entry.
+            prog.num_cached_blocks = i + 1
+            prog.parent_hash = h
+            prog.parent_block = entry
+            prog.parent_cache_id = entry.cache_id
+
+    def _drop_stale_free_entry(self, block_hash: Any) -> None:
+        """An entry for this hash that did not match is a collision or an orphan (its parent was
+        evicted). If nobody holds it, our fresh block is the more useful entry: drop the old one."""
+        old = self.gpu_pool.cached_block_hash_to_block.get(block_hash)
+        if old is None or old.ref_cnt != 0:
+            return
+        self.gpu_pool.evict_free_block(old)
+        self._sync_evictions()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry held by a free block; returns how many were dropped."""
+        return self.gpu_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ admission
+    def _plan_allocate(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any], int, int]:
+        """(hits, their hashes, new blocks needed, free blocks left after allocate)."""
+        if len(token_ids) == 0:
+            raise ValueError("cannot allocate a sequence with no tokens")
+        hits, hashes = self._find_cached_blocks(token_ids)
+        num_new = self.get_num_required_blocks(len(token_ids)) - len(hits)
+        # Touching a hit that sits in the free queue takes it out of the free count too.
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        free_after = self.gpu_pool.num_free_blocks - num_free_hits - num_new
+        return hits, hashes, num_new, free_after
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        *_, free_after = self._plan_allocate(token_ids)
+        return free_after >= 0 and free_after >= self.watermark_blocks
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Give seq_id a table covering len(token_ids) slots; returns the number of cached tokens."""
+        if seq_id in self._tables:
+            raise ValueError(f"seq_id {seq_id} already has a block table")
+        hits, hashes, num_new, free_after = self._plan_allocate(token_ids)
+        if free_after < 0:
+            raise NoFreeBlocksError(
+                f"allocate seq {seq_id}: needs {num_new} new blocks (+{len(hits)} cached), "
+                f"{self.gpu_pool.num_free_blocks} free"
+            )
+        # Touch first: the hits must leave the free queue before get_new_blocks could evict them.
+        self.gpu_pool.touch(hits)
+        new_blocks = self._get_new_gpu_blocks(num_new)
+        table = BlockTable(self.block_size, [b.block_id for b in hits + new_blocks], len(token_ids))
+        self._tables[seq_id] = table
+        prog = _CacheProgress()
+        if hits:
+            prog = _CacheProgress(len(hits), hashes[-1], hits[-1], hits[-1].cache_id)
+        self._progress[seq_id] = prog
+        num_cached = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.stats.prefix_query_tokens += len(token_ids)
+            self.stats.prefix_hit_tokens += num_cached
+        self.stats.allocations += 1
+        return num_cached
+
+    # ------------------------------------------------------------------ growth
+    def _plan_append(self, table: BlockTable, num_new_tokens: int) -> tuple[int, bool]:
+        """(new blocks for growth, whether the block receiving the first new token is copied)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_tokens == 0:
+            return 0, False
+        pos = table.num_tokens
+        idx = pos // self.block_size
+        cow = idx < len(table.block_ids) and self.gpu_pool.blocks[table.block_ids[idx]].ref_cnt > 1
+        grow = table.num_blocks_for(pos + num_new_tokens) - len(table.block_ids)
+        return grow, cow
+
+    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
+        grow, cow = self._plan_append(self._gpu_table(seq_id), num_new_tokens)
+        return grow + int(cow) <= self.gpu_pool.num_free_blocks
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserve num_new_tokens more slots; returns copy-on-write pairs [(src, dst)] (0 or 1)."""
+        table = self._gpu_table(seq_id)
+        grow, cow = self._plan_append(table, num_new_tokens)
+        if grow + int(cow) > self.gpu_pool.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"append_slots seq {seq_id}: needs {grow + int(cow)} blocks, {self.gpu_pool.num_free_blocks} free"
+            )
+        pairs: list[tuple[int, int]] = []
+        if cow:
+            # A fork sibling still reads this partly filled block: write into a private copy.
+            idx = table.num_tokens // self.block_size
+            old = self.gpu_pool.blocks[table.block_ids[idx]]
+            (new,) = self._get_new_gpu_blocks(1)
+            table.block_ids[idx] = new.block_id
+            self.gpu_pool.free_blocks([old])
+            pairs.append((old.block_id, new.block_id))
+            self.stats.cow_copies += 1
+        table.block_ids.extend(b.block_id for b in self._get_new_gpu_blocks(grow))
+        table.num_tokens += num_new_tokens
+        return pairs
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """The child shares every block of the parent (copy-on-write later, in append_slots)."""
+        if child_seq_id in self._tables:
+            raise ValueError(f"seq_id {child_seq_id} already has a block table")
+        parent = self._table(parent_seq_id)
+        pool = self.cpu_pool if parent_seq_id in self._swapped else self.gpu_pool
+        pool.touch(pool.blocks[b] for b in parent.block_ids)
+        self._tables[child_seq_id] = parent.copy()
+        self._progress[child_seq_id] = self._progress[parent_seq_id].copy()
+        if parent_seq_id in self._swapped:
+            self._swapped.add(child_seq_id)
+        self.stats.forks += 1
+
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks, tail first, and drop its table. Unknown ids are ignored
+        (a sequence may finish before it was ever allocated)."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        pool = self.cpu_pool if seq_id in self._swapped else self.gpu_pool
+        pool.free_blocks(pool.blocks[b] for b in reversed(table.block_ids))
+        self._swapped.discard(seq_id)
+        del self._progress[seq_id]
+        self.stats.frees += 1
+
+    # ------------------------------------------------------------------ swap
+    def _unique_blocks(self, seq_ids: list[int], swapped: bool) -> list[int]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate seq_ids in {seq_ids}")
+        seen: dict[int, None] = {}
+        for sid in seq_ids:
+            table = self._table(sid)
+            if (sid in self._swapped) != swapped:
+                raise ValueError(f"seq {sid} is {'not ' if swapped else ''}swapped out")
+            for b in table.block_ids:
+                seen.setdefault(b, None)
+        return list(seen)
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return len(self._unique_blocks(seq_ids, swapped=False)) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to CPU; returns [(gpu_block, cpu_block)], one per distinct block."""
+        unique = self._unique_blocks(seq_ids, swapped=False)
+        if len(unique) > self.cpu_pool.num_free_blocks:
+            raise NoFreeBlocksError(f"swap_out: needs {len(unique)} CPU blocks, {self.cpu_pool.num_free_blocks} free")
+        mapping = self._move(seq_ids, unique, self.gpu_pool, self.cpu_pool.get_new_blocks(len(unique)), self.cpu_pool)
+        self._swapped.update(seq_ids)
+        self.stats.swap_out_blocks += len(unique)
+        return mapping
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        free_after = self.gpu_pool.num_free_blocks - len(self._unique_blocks(seq_ids, swapped=True))
+        return free_after >= 0 and free_after >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks back to the GPU; returns [(cpu_block, gpu_block)]."""
+        unique = self._unique_blocks(seq_ids, swapped=True)
+        if len(unique) > self.gpu_pool.num_free_blocks:
+            raise NoFreeBlocksError(f"swap_in: needs {len(unique)} GPU blocks, {self.gpu_pool.num_free_blocks} free")
+        mapping = self._move(seq_ids, unique, self.cpu_pool, self._get_new_gpu_blocks(len(unique)), self.gpu_pool)
+        for sid in seq_ids:
+            self._swapped.discard(sid)
+            # The GPU copies are fresh, unhashed blocks: let cache_blocks register them again.
+            self._progress[sid] = _CacheProgress()
+        self.stats.swap_in_blocks += len(unique)
+        return mapping
+
+    def _move(
+        self, seq_ids: list[int], unique: list[int], src_pool: BlockPool, dst_blocks: list[KVCacheBlock],
+        dst_pool: BlockPool,
+    ) -> list[tuple[int, int]]:
+        mapping = {src: dst.block_id for src, dst in zip(unique, dst_blocks)}
+        # get_new_blocks gave each destination one reference; a block held by k of these tables needs k.
+        holders = Counter(b for sid in seq_ids for b in self._tables[sid].block_ids)
+        for src, dst in zip(unique, dst_blocks):
+            for _ in range(holders[src] - 1):
+                dst_pool.touch([dst])
+        for sid in seq_ids:
+            table = self._tables[sid]
+            src_pool.free_blocks(src_pool.blocks[b] for b in reversed(table.block_ids))
+            table.block_ids = [mapping[b] for b in table.block_ids]
+        return list(mapping.items())
+
+    # ------------------------------------------------------------------ internals
+    def _table(self, seq_id: int) -> BlockTable:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown seq_id {seq_id}") from None
+
+    def _gpu_table(self, seq_id: int) -> BlockTable:
+        table = self._table(seq_id)
+        if seq_id in self._swapped:
+            raise ValueError(f"seq {seq_id} is swapped out")
+        return table
+
+    def _get_new_gpu_blocks(self, n: int) -> list[KVCacheBlock]:
+        blocks = self.gpu_pool.get_new_blocks(n)
+        self.stats.allocated_blocks += n
+        self._sync_evictions()
+        self.stats.peak_used_gpu_blocks = max(self.stats.peak_used_gpu_blocks, self.num_used_gpu_blocks)
+        return blocks
+
+    def _sync_evictions(self) -> None:
+        self.stats.evictions = self.gpu_pool.num_evictions
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Raise InvariantError naming the first violated invariant (see ARCHITECTURE.md)."""
+        gpu_holders: Counter[int] = Counter()
+        cpu_holders: Counter[int] = Counter()
+        for sid, table in self._tables.items():
+            if table.block_size != self.block_size:
+                raise InvariantError(f"table shape: seq {sid} has block_size {table.block_size}")
+            if len(table.block_ids) != table.num_blocks_for(table.num_tokens):
+                raise InvariantError(
+                    f"table shape: seq {sid} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens"
+                )
+            if len(set(table.block_ids)) != len(table.block_ids):
+                raise InvariantError(f"table shape: seq {sid} holds a block twice: {table.block_ids}")
+            swapped = sid in self._swapped
+            limit = self.num_cpu_blocks if swapped else self.num_gpu_blocks
+            for b in table.block_ids:
+                if not 0 <= b < limit:
+                    raise InvariantError(f"table shape: seq {sid} block {b} outside its pool")
+            (cpu_holders if swapped else gpu_holders).update(table.block_ids)
+            if sid not in self._progress:
+                raise InvariantError(f"bookkeeping: seq {sid} has no cache progress")
+        if not self._swapped <= set(self._tables):
+            raise InvariantError(f"bookkeeping: swapped seqs without tables {self._swapped - set(self._tables)}")
+        if set(self._progress) != set(self._tables):
+            raise InvariantError("bookkeeping: cache progress and tables disagree")
+        self.gpu_pool.check_invariants(dict(gpu_holders))
+        self.cpu_pool.check_invariants(dict(cpu_holders))
+        for block in self.gpu_pool.blocks:
+            if block.token_ids is not None and len(block.token_ids) != self.block_size:
+                raise InvariantError(f"hash map: hashed block {block.block_id} is not full")
+        if self.cpu_pool.cached_block_hash_to_block:
+            raise InvariantError("hash map: the CPU pool must not cache")
+
+    def snapshot(self) -> tuple:
+        """Every piece of state, as plain comparable values (tests assert failed ops change nothing)."""
+
+        def pool_state(pool: BlockPool) -> tuple:
+            return (
+                tuple(
+                    (b.block_id, b.ref_cnt, b.block_hash, b.token_ids, b.cache_id, b.parent_cache_id)
+                    for b in pool.blocks
+                ),
+                tuple(b.block_id for b in pool.free_block_queue),
+                tuple(sorted((repr(k), b.block_id) for k, b in pool.cached_block_hash_to_block.items())),
+                pool.num_free_blocks,
+                pool.num_cached_free_blocks,
+                pool.num_evictions,
+            )
+
+        tables = tuple(
+            sorted(
+                (sid, tuple(t.block_ids), t.num_tokens, sid in self._swapped, repr(self._progress[sid]))
+                for sid, t in self._tables.items()
+            )
+        )
+        return pool_state(self.gpu_pool), pool_state(self.cpu_pool), tables, tuple(asdict(self.stats).items())

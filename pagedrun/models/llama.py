@@ -1,0 +1,271 @@
+"""The Llama family in one file: Llama 2/3 (GQA, RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (per-head
+q/k RMSNorm), Mistral (without sliding window); tied or untied embeddings.
+
+Reads like the paper: embed -> N x (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU MLP ->
+residual) -> RMSNorm -> lm_head. Tokens of all sequences in a step arrive flattened ([T]); the only
+thing that knows about sequences is the attention backend, through AttentionMetadata and the paged
+KV cache. Numerics follow transformers' op order (float32 RMSNorm variance, float32 RoPE tables) so
+greedy decoding matches HF generate token for token in float32.
+
+q/k/v live in one Linear and gate/up in another: one GEMM instead of three (two) per layer, which is
+what matters on a CPU. load_weights() stitches the HF tensors into them.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrun.attention.backend import AttentionBackend
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.errors import PagedrunError
+from pagedrun.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Variance in float32 even for bf16/fp16 activations, then back: HF's exact order.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, computed with transformers' formulas."""
+    dim, base = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate in between.
+    old_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the "rotate half" layout HF checkpoints use; cos/sin tables precomputed in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, head_dim/2]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), written on halves: same float ops as HF.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        out = backend.forward(q, k, v, key_cache, value_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, positions, h, rotary, kv_cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+# HF checkpoint names that land in a slice of one of our fused weights: (hf part, ours, shard index).
+_STACKED = (
+    ("q_proj", "qkv_proj", 0),
+    ("k_proj", "qkv_proj", 1),
+    ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        # Build on the meta device and allocate afterwards: random init of every weight would cost
+        # seconds for nothing, since load_weights() overwrites all of them.
+        with torch.device("meta"):
+            self.model = LlamaModel(config, dtype)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            )
+        self.to_empty(device=device)
+        self.rotary_emb = RotaryEmbedding(config).to(device)
+
+    # no_grad, not inference_mode: inference tensors cannot be modified in place later (the
+    # sampler may scale logits in place), and the KV caches are allocated outside this call.
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(positions, h, self.rotary_emb, kv_cache, meta, backend)
+        return self.model.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""
+        params = dict(self.named_parameters())
+        # What must arrive: for fused params one entry per shard, else one per parameter.
+        expected: dict[tuple[str, int | None], str] = {}
+        for name in params:
+            fused = next((s for s in _STACKED if f".{s[1]}." in name), None)
+            if fused is None:
+                expected[(name, None)] = name
+                continue
+            for part, ours, shard in _STACKED:
+                if ours == fused[1]:
+                    expected[(name, shard)] = name.replace(f".{ours}.", f".{part}.")
+        loaded: set[tuple[str, int | None]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # old checkpoints store the RoPE table; we recompute it
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still ship the (identical) copy
+            name, shard = hf_name, None
+            for part, ours, idx in _STACKED:
+                if f".{part}." in hf_name:
+                    name, shard = hf_name.replace(f".{part}.", f".{ours}."), idx
+                    break
+            if name not in params:
+                raise PagedrunError(f"{hf_name}: unexpected tensor (not part of {self.config.architecture})")
+            if (name, shard) in loaded:
+                raise PagedrunError(f"{hf_name}: appears twice in the checkpoint")
+            target = self._shard(params[name], name, shard)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise PagedrunError(
+                    f"{hf_name}: shape mismatch: model expects {list(target.shape)}, "
+                    f"checkpoint has {list(tensor.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = [hf for key, hf in expected.items() if key not in loaded]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise PagedrunError(f"missing tensors: {', '.join(missing[:3])}{more}")
+
+    def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+        """The slice of a fused parameter (along the output dim) that one HF tensor fills."""
+        if shard is None:
+            return param.data
+        if ".qkv_proj." in name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])

@@ -1,0 +1,113 @@
+"""Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM.
+
+Weights are read with safetensors directly, tensor by tensor, and cast to the requested dtype while
+they are copied into place; transformers is used only for the tokenizer. Every problem a user can
+fix becomes a one-line PagedrunError naming the directory or file.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pagedrun.errors import PagedrunError
+from pagedrun.models.config import ModelConfig
+from pagedrun.models.llama import LlamaForCausalLM
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def read_config(model_dir: Path, max_model_len: int | None = None) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise PagedrunError(f"{model_dir}: model directory not found")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise PagedrunError(f"{config_path}: not found (a model directory needs an HF config.json)")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PagedrunError(f"{config_path}: cannot read JSON: {_one_line(e)}") from None
+    return ModelConfig.from_hf_dict(data, source=str(config_path), max_model_len=max_model_len)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shard files: from model.safetensors.index.json, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise PagedrunError(f"{index}: cannot read weight_map: {e}") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise PagedrunError(f"{index}: lists {f.name}, which does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    if list(model_dir.glob("pytorch_model*.bin")):
+        raise PagedrunError(
+            f"{model_dir}: only pytorch_model*.bin weights found; pagedrun reads safetensors only "
+            "(pickle files can run code). Convert once with: python -c \"from transformers import "
+            f"AutoModelForCausalLM as M; M.from_pretrained('{model_dir}').save_pretrained('{model_dir}', "
+            "safe_serialization=True)\""
+        )
+    raise PagedrunError(f"{model_dir}: no *.safetensors weight files found")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except PagedrunError:
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
+            raise PagedrunError(f"{path}: cannot read safetensors: {_one_line(e)}") from None
+
+
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model for model_dir's config.json and load its safetensors weights in `dtype`."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir, max_model_len)
+    files = safetensors_files(model_dir)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    try:
+        model.load_weights(iter_safetensors(files))
+    except PagedrunError as e:
+        if str(e).startswith(str(model_dir)):
+            raise
+        raise PagedrunError(f"{model_dir}: {e}") from None
+    model.eval()
+    return model, config
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's HF tokenizer (PreTrainedTokenizerBase), or None when it ships none."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; the user needs the path and why
+        raise PagedrunError(
+            f"{model_dir}: cannot load tokenizer: {type(e).__name__}: {_one_line(e)}"
+        ) from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

@@ -1,0 +1,295 @@
+"""The memory-utilisation report, derived only from what the engine recorded.
+
+Inputs: the engine's StepRecords (one per step, counted by the scheduler and the KV manager after
+the step ran), its MemoryPlan (the KV cache it allocated) and the finished RequestOutputs (their
+timestamps). Every number in the report is labelled in `provenance`:
+
+  measured  counted or timed by the engine during the run (or read from what it allocated)
+  derived   computed here from measured numbers; the formula is given
+
+Averages over the run are step-weighted sums (sum of numerator over steps / sum of denominator over
+steps), the way a time series of the cache would be summarised.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+M, D = "measured", "derived"
+
+
+def percentiles(xs: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles (numpy's default method); None for an empty list."""
+    xs = sorted(xs)
+    out: dict[str, float | None] = {}
+    for p in ps:
+        if not xs:
+            out[f"p{p}"] = None
+            continue
+        k = (len(xs) - 1) * p / 100
+        lo = int(k)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: bool = False) -> dict:
+    steps = engine.steps
+    m = engine.memory
+    bs = m.block_size
+    bb = m.block_bytes
+    bytes_per_token = bb // bs
+    n = len(steps)
+    blocks = [s.blocks_in_use for s in steps]
+    peak_blocks = max(blocks, default=0)
+    peak_step = blocks.index(peak_blocks) if steps else None
+    slots = [b * bs for b in blocks]
+    stored = [s.tokens_stored for s in steps]
+    assigned = [s.tokens_assigned for s in steps]
+    waste = [sl - a for sl, a in zip(slots, assigned)]
+    pending = [a - st for a, st in zip(assigned, stored)]
+    sum_slots = sum(slots)
+
+    reserved = [s.reserved_contiguous_tokens for s in steps]
+    reserved_mml = [s.num_running * engine.max_model_len for s in steps]
+    logical = [s.tokens_logical for s in steps]
+
+    q = sum(s.prefix_query_tokens for s in steps)
+    hit = sum(s.prefix_hit_tokens for s in steps)
+    sin = sum(s.swap_in_blocks for s in steps)
+    sout = sum(s.swap_out_blocks for s in steps)
+
+    ok = [r for r in results if r.error is None]
+    out_tokens = sum(len(c.token_ids) for r in ok for c in r.outputs)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in ok)
+    prefill_computed = sum(s.num_prefill_tokens for s in steps)
+    ttft = [r.metrics["ttft_s"] for r in ok if r.metrics.get("ttft_s") is not None]
+    itl = [x for r in ok for x in r.metrics.get("itl_s", [])]
+    e2e = [r.metrics["e2e_s"] for r in ok if r.metrics.get("e2e_s") is not None]
+
+    def at_peak(xs: list) -> int | None:
+        return xs[peak_step] if peak_step is not None else None
+
+    report = {
+        "interrupted": interrupted,
+        "num_steps": n,
+        "num_requests": len(results),
+        "num_errors": len(results) - len(ok),
+        "memory_plan": m.to_dict(),
+        "kv_capacity": {"blocks": m.num_gpu_blocks, "block_size": bs, "tokens": m.token_capacity,
+                        "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token},
+        "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
+                          "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
+                          "cached_free_peak": max((s.blocks_cached_free for s in steps), default=0)},
+        "utilisation": {
+            "tokens_stored_over_slots_allocated": _ratio(sum(stored), sum_slots),
+            "at_peak": _ratio(at_peak(stored), at_peak(slots)) if peak_step is not None else None,
+            "tokens_stored_peak": max(stored, default=0),
+        },
+        "fragmentation": {
+            "last_block_waste_tokens_mean": sum(waste) / n if n else 0.0,
+            "last_block_waste_tokens_at_peak": at_peak(waste),
+            "last_block_waste_percent": 100 * sum(waste) / sum_slots if sum_slots else None,
+            "reserved_uncomputed_tokens_mean": sum(pending) / n if n else 0.0,
+        },
+        "contiguous": {
+            "request_max": _contiguous(reserved, logical, bs, bytes_per_token, m, peak_blocks),
+            "max_model_len": _contiguous(reserved_mml, logical, bs, bytes_per_token, m, peak_blocks),
+            "max_model_len_tokens": engine.max_model_len,
+        },
+        "prefix_cache": {"query_tokens": q, "hit_tokens": hit, "hit_rate": _ratio(hit, q),
+                         "cow_copies": sum(s.cow_copies for s in steps)},
+        "preemptions": {"recompute": sum(s.preempted_recompute for s in steps),
+                        "swap": sum(s.preempted_swap for s in steps),
+                        "swap_fallbacks": sum(s.swap_fallbacks for s in steps)},
+        "swap": {"in_blocks": sin, "out_blocks": sout, "in_bytes": sin * bb, "out_bytes": sout * bb},
+        "throughput": {
+            "wall_s": wall_s, "load_s": load_s, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+            "prefill_tokens_computed": prefill_computed,
+            "output_tokens_per_s": _ratio(out_tokens, wall_s), "prompt_tokens_per_s": _ratio(prompt_tokens, wall_s),
+            "total_tokens_per_s": _ratio(out_tokens + prompt_tokens, wall_s),
+        },
+        "latency": {"ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e)},
+    }
+    report["provenance"] = _provenance(report)
+    return report
+
+
+def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_token: int, m, peak_blocks: int) -> dict:
+    peak = max(reserved, default=0)
+    n = len(reserved)
+    return {
+        "peak_tokens": peak,
+        "peak_bytes": peak * bytes_per_token,
+        "mean_tokens": sum(reserved) / n if n else 0.0,
+        "utilisation": _ratio(sum(logical), sum(reserved)),
+        "peak_over_paged_peak": _ratio(peak, peak_blocks * bs),
+        "peak_over_capacity": _ratio(peak, m.token_capacity),
+    }
+
+
+# Dotted path prefix -> (kind, how). The longest matching prefix wins.
+_PROVENANCE: dict[str, tuple[str, str]] = {
+    "interrupted": (M, "the run was stopped by a signal"),
+    "num_steps": (M, "engine steps recorded"),
+    "num_requests": (M, "requests finished in this run"),
+    "num_errors": (M, "requests finished with an error"),
+    "memory_plan": (M, "the KV cache plan the engine allocated (pagedrun.kv.memory.MemoryPlan)"),
+    "kv_capacity.blocks": (M, "GPU/device KV blocks allocated"),
+    "kv_capacity.block_size": (M, "tokens per block"),
+    "kv_capacity.tokens": (D, "blocks x block_size"),
+    "kv_capacity.bytes": (D, "blocks x block_bytes"),
+    "kv_capacity.bytes_per_token": (D, "block_bytes / block_size"),
+    "blocks_in_use.peak": (M, "max over steps of blocks with ref_cnt > 0 after the step"),
+    "blocks_in_use.mean": (D, "mean over steps of blocks in use"),
+    "blocks_in_use.peak_fraction_of_capacity": (D, "peak / kv_capacity.blocks"),
+    "blocks_in_use.cached_free_peak": (M, "max over steps of free blocks still holding a prefix-cache hash"),
+    "utilisation.tokens_stored_over_slots_allocated":
+        (D, "sum over steps of tokens stored / sum over steps of blocks in use x block_size"),
+    "utilisation.at_peak": (D, "tokens stored / slots allocated at the step with peak blocks in use"),
+    "utilisation.tokens_stored_peak": (M, "max over steps of slots holding computed KV (distinct blocks)"),
+    "fragmentation.last_block_waste_tokens_mean":
+        (D, "mean over steps of blocks in use x block_size - tokens assigned to slots"),
+    "fragmentation.last_block_waste_tokens_at_peak": (D, "the same at the step with peak blocks in use"),
+    "fragmentation.last_block_waste_percent": (D, "100 x sum of waste / sum of slots allocated, over steps"),
+    "fragmentation.reserved_uncomputed_tokens_mean":
+        (D, "mean over steps of slots assigned to prompt tokens not yet computed (chunked prefill)"),
+    "contiguous.max_model_len_tokens": (M, "the engine's max_model_len"),
+    "contiguous.request_max":
+        (D, "what-if: every running sequence reserves min(prompt + max_tokens, max_model_len) contiguous slots"),
+    "contiguous.max_model_len": (D, "what-if: every running sequence reserves max_model_len slots"),
+    "prefix_cache.query_tokens": (M, "tokens looked up in the prefix cache at admission (a request re-admitted after a recompute "
+                                         "preemption looks up again, its generated tokens included)"),
+    "prefix_cache.hit_tokens": (M, "of those, tokens found cached (KV reused, not computed)"),
+    "prefix_cache.hit_rate": (D, "hit_tokens / query_tokens"),
+    "prefix_cache.cow_copies": (M, "copy-on-write block copies"),
+    "preemptions": (M, "preemptions counted by the scheduler, by mode"),
+    "swap.in_blocks": (M, "blocks swapped CPU -> device"),
+    "swap.out_blocks": (M, "blocks swapped device -> CPU"),
+    "swap.in_bytes": (D, "in_blocks x block_bytes"),
+    "swap.out_bytes": (D, "out_blocks x block_bytes"),
+    "throughput.wall_s": (M, "seconds the run took (model load excluded)"),
+    "throughput.load_s": (M, "seconds to load the model and allocate the cache"),
+    "throughput.output_tokens": (M, "tokens generated by finished requests"),
+    "throughput.prompt_tokens": (M, "prompt tokens of finished requests"),
+    "throughput.prefill_tokens_computed": (M, "tokens run through the model other than one-token decodes: prompt "
+                                                   "chunks and recomputation after preemption"),
+    "throughput.output_tokens_per_s": (D, "output_tokens / wall_s"),
+    "throughput.prompt_tokens_per_s": (D, "prompt_tokens / wall_s"),
+    "throughput.total_tokens_per_s": (D, "(prompt_tokens + output_tokens) / wall_s"),
+    "latency": (D, "percentiles (linear interpolation) of per-request times measured by the engine: "
+                   "ttft = first token - arrival, itl = gaps between a request's decode steps, e2e = finish - arrival"),
+}
+
+
+def _leaves(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _leaves(v, path + ".")
+        else:
+            yield path
+
+
+def _provenance(report: dict) -> dict[str, str]:
+    out = {}
+    for path in _leaves(report):
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            hit = _PROVENANCE.get(".".join(parts[:i]))
+            if hit:
+                out[path] = f"{hit[0]}: {hit[1]}"
+                break
+        else:
+            raise KeyError(f"report field {path} has no provenance")  # caught by the tests
+    return out
+
+
+def report_path(output: Path) -> Path:
+    """outputs.jsonl -> outputs.report.json, beside it."""
+    return output.with_name(output.stem + ".report.json")
+
+
+def write_report(report: dict, output: Path) -> Path:
+    path = report_path(output)
+    path.write_text(json.dumps(report, indent=1))
+    return path
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "-"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def _ms(d: dict) -> str:
+    if d.get("p50") is None:
+        return "-"
+    return " / ".join(f"{d[k] * 1e3:.1f}" for k in ("p50", "p90", "p99")) + " ms"
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    """The report as (label, value) rows for the terminal summary."""
+    cap, b, u, f = report["kv_capacity"], report["blocks_in_use"], report["utilisation"], report["fragmentation"]
+    c, cm = report["contiguous"]["request_max"], report["contiguous"]["max_model_len"]
+    pc, pre, sw, th, lat = (report["prefix_cache"], report["preemptions"], report["swap"], report["throughput"],
+                            report["latency"])
+    rows = [
+        ("KV capacity", f"{cap['blocks']:,} blocks x {cap['block_size']} = {cap['tokens']:,} tokens ({_mib(cap['bytes'])})"),
+        ("KV blocks in use", f"peak {b['peak']:,} ({_pct(b['peak_fraction_of_capacity'])} of capacity), "
+                             f"mean {b['mean']:,.1f}"),
+        ("KV utilisation", f"{_pct(u['tokens_stored_over_slots_allocated'])} of allocated slots hold KV "
+                           f"({_pct(u['at_peak'])} at peak)"),
+        ("fragmentation", f"last-block waste {f['last_block_waste_tokens_mean']:,.1f} tokens mean "
+                          f"({f['last_block_waste_percent']:.1f}%)" if f["last_block_waste_percent"] is not None
+                          else "-"),
+        ("contiguous would reserve",
+         f"peak {c['peak_tokens']:,} tokens ({_mib(c['peak_bytes'])}, utilisation {_pct(c['utilisation'])}) "
+         f"at prompt+max_tokens; {cm['peak_tokens']:,} tokens ({_mib(cm['peak_bytes'])}, "
+         f"{_pct(cm['utilisation'])}) at max_model_len={report['contiguous']['max_model_len_tokens']}; "
+         f"paged peak {b['peak'] * cap['block_size']:,} tokens"),
+        ("prefix cache", f"{pc['hit_tokens']:,} of {pc['query_tokens']:,} prompt tokens hit "
+                         f"({_pct(pc['hit_rate'])}); {pc['cow_copies']} copy-on-write copies"),
+        ("preemptions", f"{pre['recompute']} recompute, {pre['swap']} swap"
+                        + (f" ({pre['swap_fallbacks']} swap fell back to recompute)" if pre["swap_fallbacks"] else "")),
+        ("swap traffic", f"{sw['out_blocks']} blocks out ({_mib(sw['out_bytes'])}), "
+                         f"{sw['in_blocks']} in ({_mib(sw['in_bytes'])})"),
+        ("prompt / output tok/s", f"{th['prompt_tokens_per_s'] or 0:,.1f} / {th['output_tokens_per_s'] or 0:,.1f}"),
+        ("TTFT p50/p90/p99", _ms(lat["ttft_s"])),
+        ("ITL p50/p90/p99", _ms(lat["itl_s"])),
+    ]
+    return rows
+
+
+def plot_blocks(engine, path: Path) -> None:
+    """Blocks in use (and free blocks still cached) against capacity over time, preemptions marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = engine.steps
+    t = [s.t_end for s in steps]
+    used = [s.blocks_in_use for s in steps]
+    cached = [s.blocks_in_use + s.blocks_cached_free for s in steps]
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.fill_between(t, used, cached, step="post", alpha=0.25, color="tab:green", label="free, prefix-cached")
+    ax.step(t, used, where="post", color="tab:blue", label="blocks in use")
+    ax.axhline(engine.memory.num_gpu_blocks, color="k", ls="--", lw=1, label="capacity")
+    for attr, color, label in (("preempted_recompute", "tab:red", "preemption (recompute)"),
+                               ("preempted_swap", "tab:orange", "preemption (swap)")):
+        pts = [(s.t_end, s.blocks_in_use) for s in steps if getattr(s, attr)]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color=color, zorder=3, label=label)
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel(f"KV blocks ({engine.memory.block_size} tokens)")
+    ax.set_ylim(0, engine.memory.num_gpu_blocks * 1.08)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""The Sampler: logits of the sequences that produce a token this step -> one token id each.
+
+Greedy rows take the argmax. Random rows are processed together: temperature, then top-k, top-p
+and min-p masks, then one draw by the "exponential race" (argmax of p_i / E_i with E_i ~ Exp(1)),
+which samples exactly from p. Each seeded sequence draws its E_i from its own torch.Generator, one
+vocabulary-sized draw per token, so its tokens depend only on its seed and its own history, never
+on which other requests share the batch or in which order they arrived.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrun.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # None: the engine-wide generator (unseeded requests)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row, when that row asked for logprobs: {"logprob": lp of the sampled token,
+    # "top": [[token_id, logprob], ...]} from the model's raw distribution (vLLM's default).
+    logprobs: list[dict | None]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.global_generator = make_generator(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        logits = logits.float()
+        num_rows, vocab = logits.shape
+        token_ids = torch.empty(num_rows, dtype=torch.long)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            idx = torch.tensor(greedy)
+            token_ids[idx] = logits[idx].argmax(dim=-1).cpu()
+        if random:
+            idx = torch.tensor(random)
+            probs = self._processed_probs(logits[idx], [rows[i].params for i in random])
+            exp = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(random) if rows[i].generator is None]
+            if unseeded:
+                exp[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.global_generator).to(
+                    exp.device
+                )
+            for j, i in enumerate(random):
+                g = rows[i].generator
+                if g is not None:
+                    exp[j] = torch.empty(vocab).exponential_(generator=g).to(exp.device)
+            token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
+
+        ids = token_ids.tolist()
+        return SampleResult(ids, self._logprobs(logits, rows, ids))
+
+    @staticmethod
+    def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        device = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        logits = logits / temp
+        top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(logits.shape[1], device=device).unsqueeze(0)
+            mask = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
+            sorted_probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p; the top one stays.
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            mask |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
+            mask[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        if any(p > 0.0 for p in min_p):
+            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], ids: list[int]) -> list[dict | None]:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[dict | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        lp = logits[wanted].log_softmax(dim=-1)
+        max_n = max(rows[i].params.logprobs or 0 for i in wanted)
+        top_vals, top_ids = (lp.topk(max_n, dim=-1) if max_n > 0 else (None, None))
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs or 0
+            top = []
+            if n > 0:
+                top = [[int(t), float(v)] for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())]
+            result[i] = {"token_id": ids[i], "logprob": float(lp[j, ids[i]]), "top": top}
+        return result

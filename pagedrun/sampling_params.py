@@ -1,0 +1,212 @@
+"""SamplingParams: how one request is sampled, with vLLM's field names.
+
+The recipe's `sampling:` section gives the defaults for every request; a JSONL line may override any
+field at its top level (`{"prompt": "...", "temperature": 0.7, "seed": 1}`). Both go through
+`SamplingParams.from_dict`, so a bad value is reported with the same words wherever it came from.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+from pagedrun.errors import PagedrunError
+
+# vLLM treats temperatures this small as greedy: dividing logits by ~0 overflows to inf/nan.
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed accepts seeds up to 2**64 - 1
+
+# vLLM fields users will try; naming them avoids a bare "unknown field" for a well-known option.
+_VLLM_UNSUPPORTED = frozenset({
+    "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "logits_processors", "guided_decoding", "structured_outputs",
+    "logit_bias", "allowed_token_ids", "bad_words", "detokenize", "output_kind",
+})
+
+
+class InvalidValue(ValueError):
+    """A field check failed; `str()` is the "must be ..." part, without location or value."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    # vLLM's default is 16, a frequent complaint: answers get cut mid-sentence. 256 fits a short answer.
+    max_tokens: int = 256
+    min_tokens: int = 0
+    # Greedy by default so that evaluation runs are reproducible without seeds.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs of each sampled token
+
+    def __post_init__(self) -> None:
+        # Constructing directly (from Python) gets the same checks as from_dict.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            try:
+                setattr(self, f.name, check_field(f.name, value))
+            except InvalidValue as e:
+                raise PagedrunError(f"SamplingParams: {f.name}: {e}, got {value!r}") from None
+        problem = cross_field_problem(self.to_dict())
+        if problem is not None:
+            name, msg = problem
+            raise PagedrunError(f"SamplingParams: {name}: {msg}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> SamplingParams:
+        """Validate `d` (types, ranges, unknown keys) and build; errors name `where` and the field."""
+        if not isinstance(d, dict):
+            raise PagedrunError(f"{where}: must be a mapping of sampling fields, got {d!r}")
+        values: dict[str, Any] = {}
+        for name, value in d.items():
+            if name not in FIELD_NAMES:
+                raise PagedrunError(f"{where}: {name}: {unknown_field_message(name)}")
+            try:
+                values[name] = check_field(name, value)
+            except InvalidValue as e:
+                raise PagedrunError(f"{where}: {name}: {e}, got {value!r}") from None
+        full = {**cls().to_dict(), **values}
+        problem = cross_field_problem(full)
+        if problem is not None:
+            name, msg = problem
+            raise PagedrunError(f"{where}: {name}: {msg}, got {full[name]!r}")
+        return cls(**full)
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+
+
+def merged(defaults: SamplingParams, overrides: dict[str, Any], where: str) -> SamplingParams:
+    """`defaults` with the fields in `overrides` replaced (a request's fields over the recipe's)."""
+    if not overrides:
+        return defaults
+    base = defaults.to_dict()
+    # Check the override keys first so an error names the field the user wrote.
+    for name in overrides:
+        if name not in FIELD_NAMES:
+            raise PagedrunError(f"{where}: {name}: {unknown_field_message(name)}")
+    base.update(overrides)
+    return SamplingParams.from_dict(base, where)
+
+
+def unknown_field_message(name: str, noun: str = "field") -> str:
+    if name in _VLLM_UNSUPPORTED:
+        return f"unknown {noun}: a vLLM sampling field that pagedrun does not support"
+    close = difflib.get_close_matches(str(name), FIELD_NAMES, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown {noun}{hint}"
+
+
+# ---------------------------------------------------------------- field checks
+# Each check returns the normalised value or raises InvalidValue("must be ..."); recipe.py reuses them.
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python, not here
+
+
+def int_check(lo: int | None = None, hi: int | None = None, desc: str | None = None) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            if desc:
+                raise InvalidValue(f"must be {desc}")
+            if lo is not None and hi is not None:
+                raise InvalidValue(f"must be an integer in {lo}..{hi}")
+            if lo is not None:
+                raise InvalidValue(f"must be an integer >= {lo}")
+            raise InvalidValue("must be an integer")
+        return v
+    return check
+
+
+def float_check(desc: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        try:
+            x = float(v) if is_int(v) or isinstance(v, float) else math.nan
+        except OverflowError:  # an integer too large for a float
+            x = math.nan
+        if not math.isfinite(x) or not ok(x):
+            raise InvalidValue(f"must be {desc}")
+        return x
+    return check
+
+
+def bool_check(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidValue("must be true or false")
+    return v
+
+
+def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def opt(v: Any) -> Any:
+        if v is None:
+            return None
+        try:
+            return check(v)
+        except InvalidValue as e:
+            raise InvalidValue(f"{e} or null") from None
+    return opt
+
+
+def _top_k(v: Any) -> int:
+    if not is_int(v) or v < -1:
+        raise InvalidValue("must be an integer >= 0 (0 or -1 = off)")
+    return 0 if v == -1 else v  # one spelling of "off" so the sampler tests `top_k > 0`
+
+
+def _stop(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise InvalidValue("must be a non-empty string or a list of non-empty strings")
+    return list(v)
+
+
+def _stop_token_ids(v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
+        raise InvalidValue("must be a list of non-negative integer token ids")
+    return list(v)
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "n": int_check(lo=1),
+    "max_tokens": int_check(lo=1),
+    "min_tokens": int_check(lo=0),
+    "temperature": float_check("a number >= 0 (0 = greedy)", lambda x: x >= 0),
+    "top_p": float_check("a number in (0, 1]", lambda x: 0 < x <= 1),
+    "top_k": _top_k,
+    "min_p": float_check("a number in [0, 1]", lambda x: 0 <= x <= 1),
+    "seed": optional(int_check(lo=0, hi=_SEED_LIMIT - 1, desc="an integer in 0..2**64-1")),
+    "stop": _stop,
+    "stop_token_ids": _stop_token_ids,
+    "ignore_eos": bool_check,
+    "logprobs": optional(int_check(lo=0, hi=MAX_LOGPROBS)),
+}
+assert set(_CHECKS) == set(FIELD_NAMES), "every SamplingParams field needs a check"
+
+
+def check_field(name: str, value: Any) -> Any:
+    """Check one field; returns the normalised value, raises InvalidValue("must be ...")."""
+    return _CHECKS[name](value)
+
+
+def cross_field_problem(d: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, "must be ...") for a constraint between fields of a full, checked dict, or None."""
+    if d["min_tokens"] > d["max_tokens"]:
+        return "min_tokens", f"must be <= max_tokens ({d['max_tokens']})"
+    return None

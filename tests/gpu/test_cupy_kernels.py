@@ -1,0 +1,177 @@
+"""The kernels through CuPy on a real GPU: the same cases as tests/test_kernels.py, each output checked
+against the float64 reference AND against the CPU emulator's output for the same inputs.
+
+Skipped without a GPU (cupy.is_available() false). Backend-level checks need a CUDA build of torch
+(torch.cuda.is_available()) since CupyAttentionBackend shares torch's CUDA tensors through DLPack.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import test_kernels as T  # noqa: E402
+
+from pagedrun.attention import kernels as K  # noqa: E402
+
+
+def _gpu() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.is_available())
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no CUDA GPU (cupy.is_available() is false)")]
+
+
+def _emulator() -> bool:
+    try:
+        import pagedrun.cudaemu  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_kernels(dtype: str) -> dict[K.KernelVariant, K.PagedKernels]:
+    import cupy
+
+    variants = list(dict.fromkeys(T.head_sweep(dtype) + T.block_sweep(dtype) + T.v2_variants(dtype)))
+    return K.build_kernels(K.cupy_module_factory, variants, cupy)
+
+
+def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None) -> tuple[np.ndarray, str]:
+    import cupy
+
+    ker = gpu_kernels(case.variant.dtype)[case.variant]
+    d = {n: cupy.asarray(getattr(case, n)) for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")}
+    out = cupy.empty(case.query.shape, dtype=case.query.dtype)
+    used = ker.paged_attention(
+        out, d["query"], d["key_cache"], d["value_cache"], d["block_tables"], d["seq_lens_arr"],
+        max_seq_len or case.max_seq_len, case.scale, version=version,
+    )
+    cupy.cuda.get_current_stream().synchronize()
+    return T.to_f64(cupy.asnumpy(out), case.variant.dtype), used
+
+
+def check(case: T.Case, version: str) -> None:
+    ref = case.reference()
+    gpu, used = run_gpu(case, version)
+    assert used == version
+    T.assert_close(gpu, ref, case.variant.dtype, f"gpu {case.variant} {version}")
+    if _emulator():
+        emu, _ = T.run_case(T.emu_kernels(case.variant.dtype)[case.variant], case, version)
+        # __expf and FMA contraction differ from the emulator's expf: compare at the dtype's tolerance
+        T.assert_close(gpu, emu, case.variant.dtype, f"gpu vs emulator {case.variant} {version}")
+
+
+@pytest.mark.parametrize("dtype,i", T.HEAD_CASES, ids=[f"{d}-h{K.HEAD_SIZES[i]}" for d, i in T.HEAD_CASES])
+def test_gpu_v1_every_head_size(dtype, i):
+    variant = T.head_sweep(dtype)[i]
+    bs = variant.block_size
+    heads, kv = T.heads_for(T.GQA_RATIOS[i % 3])
+    check(T.make_case(variant, [1, bs, 2 * bs + 3, 3 * bs - 1], heads, kv, seed=i), "v1")
+
+
+@pytest.mark.parametrize("dtype,block_size,ratio", T.BLOCK_CASES, ids=[f"{d}-bs{b}-gqa{r}" for d, b, r in T.BLOCK_CASES])
+def test_gpu_v1_block_sizes_and_gqa(dtype, block_size, ratio):
+    heads, kv = T.heads_for(ratio)
+    seq_lens = [37, 1, 2 * block_size, 5 * block_size - 2, 70]
+    check(T.make_case(K.KernelVariant(dtype, 64, block_size), seq_lens, heads, kv, seed=block_size + ratio), "v1")
+
+
+@pytest.mark.parametrize("dtype,i", T.V2_CASES)
+def test_gpu_v2_several_partitions(dtype, i):
+    case = T.make_case(T.v2_variants(dtype)[i], T.V2_SEQ_LENS, 4, 2, seed=100 + i)
+    check(case, "v2")
+    check(case, "v1")
+
+
+def test_gpu_v1_above_48k_shared_memory():
+    """v1 forced on 16k tokens needs 64 KiB of logits: the launcher must opt in to it."""
+    variant = K.KernelVariant("float16", 64, 16)
+    case = T.make_case(variant, [16384, 5], 2, 1, seed=3)
+    assert K.v1_shared_mem(16384, 64, 16) > K.DEFAULT_SMEM_LIMIT
+    gpu, _ = run_gpu(case, "v1")
+    T.assert_close(gpu, case.reference(), "float16", "v1 64 KiB smem")
+
+
+@pytest.mark.parametrize("dtype", T.DTYPES)
+def test_gpu_cache_ops(dtype):
+    import cupy
+
+    rng = np.random.default_rng(3)
+    variant = T.v2_variants(dtype)[0]
+    ker = gpu_kernels(dtype)[variant]
+    bs, D, kvh, nb, n = variant.block_size, variant.head_size, 3, 6, 9
+    key = T.to_device_dtype(rng.standard_normal((n, kvh, D)), dtype)
+    value = T.to_device_dtype(rng.standard_normal((n, kvh, D)), dtype)
+    kc = T.to_device_dtype(rng.standard_normal((nb, bs, kvh, D)), dtype)
+    vc = T.to_device_dtype(rng.standard_normal((nb, bs, kvh, D)), dtype)
+    slots = rng.choice(nb * bs, size=n, replace=False).astype(np.int64)
+    slots[[1, 4]] = -1
+    gk, gv = cupy.asarray(kc), cupy.asarray(vc)
+    ker.reshape_and_cache(cupy.asarray(key), cupy.asarray(value), gk, gv, cupy.asarray(slots))
+    for t, s in enumerate(slots):
+        if s >= 0:
+            kc[s // bs, s % bs], vc[s // bs, s % bs] = key[t], value[t]
+    assert np.array_equal(cupy.asnumpy(gk), kc) and np.array_equal(cupy.asnumpy(gv), vc)
+
+    layers = [(cupy.asarray(kc), cupy.asarray(vc)) for _ in range(3)]
+    pairs = np.array([[0, 4], [2, 5]], dtype=np.int64)
+    ker.copy_blocks(
+        cupy.asarray(np.array([k.data.ptr for k, _ in layers], dtype=np.int64)),
+        cupy.asarray(np.array([v.data.ptr for _, v in layers], dtype=np.int64)),
+        cupy.asarray(pairs), bs * kvh * D,
+    )
+    for s, d in pairs:
+        kc[d], vc[d] = kc[s], vc[s]
+    for k, v in layers:
+        assert np.array_equal(cupy.asnumpy(k), kc) and np.array_equal(cupy.asnumpy(v), vc)
+
+
+def _torch_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA (CPU wheel): CupyAttentionBackend works on torch CUDA tensors")
+    return torch
+
+
+@pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
+def test_gpu_backend_mixed_step(case):
+    torch = _torch_cuda()
+    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+
+    dtype_name, D, bs, H, KVH, spec = case
+    dtype = getattr(torch, dtype_name)
+    query, key, value, kc, vc, meta, fk, fv = T.build_step(spec, dtype, D, bs, H, KVH, seed=D + bs)
+    ref = T.causal_reference(query, meta, fk, fv, D**-0.5, H, KVH)
+    cuda = lambda t: t.cuda()  # noqa: E731
+    meta.slot_mapping, meta.block_tables = cuda(meta.slot_mapping), cuda(meta.block_tables)
+    out = CupyAttentionBackend().forward(cuda(query), cuda(key), cuda(value), cuda(kc), cuda(vc), meta, D**-0.5)
+    torch.cuda.synchronize()
+    T.assert_close(out.double().cpu().numpy(), ref.numpy(), dtype_name, "gpu backend")
+
+
+def test_gpu_backend_swap_blocks():
+    torch = _torch_cuda()
+    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+
+    gpu = torch.randn((6, 16, 2, 64), device="cuda", dtype=torch.float16)
+    cpu = torch.zeros((4, 16, 2, 64), dtype=torch.float16).pin_memory()
+    backend = CupyAttentionBackend()
+    backend.swap_blocks(gpu, cpu, [(5, 0), (2, 3)])  # swap out
+    torch.cuda.synchronize()
+    assert torch.equal(cpu[0], gpu[5].cpu()) and torch.equal(cpu[3], gpu[2].cpu())
+    backend.swap_blocks(cpu, gpu, [(0, 1)])  # swap in
+    torch.cuda.synchronize()
+    assert torch.equal(gpu[1], gpu[5])

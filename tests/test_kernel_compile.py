@@ -1,0 +1,168 @@
+"""Compile gates for kernels/*.cu without a GPU: nvcc (sm_80, sm_90) and NVRTC (what CuPy runs).
+
+- nvcc -cubin -arch=sm_XX -Werror all-warnings -Xptxas -v over an instantiation file naming the
+  kernels; ptxas' resource report (registers, spills, shared memory) is printed as a table into the
+  test log. By default sm_80 compiles a covering set (every head size and every block size at least
+  once per dtype, v1 + v2 + reduce + cache ops) and sm_90 one variant per dtype, one nvcc per dtype
+  in parallel; PAGEDRUN_FULL_KERNEL_GATE=1 compiles all 3 x 8 x 3 variants for both (minutes).
+- NVRTC through the low-level cupy.cuda.nvrtc API (createProgram / addNameExpression /
+  compileProgram / getCUBIN), which works without a GPU but needs -I to the CUDA headers. NVRTC
+  rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
+Each gate skips with its reason when its compiler is missing; the other tests do not depend on them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pagedrun.attention import kernels as K
+
+NVCC = shutil.which("nvcc")
+FULL = os.environ.get("PAGEDRUN_FULL_KERNEL_GATE") == "1"
+MAX_SPILL_BYTES = 64  # a few bytes of spill on some variants are fine; a register blow-up is not
+
+
+SMALL_VARIANTS = [K.KernelVariant("float16", 64, 16), K.KernelVariant("bfloat16", 80, 8),
+                  K.KernelVariant("float32", 256, 32)]
+
+
+def covering_variants() -> list[K.KernelVariant]:
+    out = []
+    for di, d in enumerate(K.DTYPES):
+        out += [K.KernelVariant(d, h, K.BLOCK_SIZES[(i + di) % 3]) for i, h in enumerate(K.HEAD_SIZES)]
+        out += [K.KernelVariant(d, 128, b) for b in K.BLOCK_SIZES]
+    return list(dict.fromkeys(out))
+
+
+def instantiation_source(names: list[str]) -> str:
+    """Taking each kernel's address instantiates it, so nvcc emits exactly these entry points."""
+    lines = [f'#include "{K.KERNEL_DIR / K.ATTENTION_SOURCE}"', f'#include "{K.KERNEL_DIR / K.CACHE_OPS_SOURCE}"']
+    lines.append("void* pagedrun_instances[] = {")
+    lines += [f"    (void*)&{n}," for n in names]
+    lines.append("};")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Resource:
+    kernel: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    smem: int
+    stack: int
+
+
+def demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if not tool:
+        return names
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return [re.sub(r"^void |\(.*$", "", o) for o in out] if len(out) == len(names) else names
+
+
+def parse_ptxas(log: str) -> list[Resource]:
+    rows, current, props = [], None, (0, 0, 0)
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            props = tuple(int(x) for x in m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            smem = re.search(r"(\d+) bytes smem", line)  # absent when a kernel has no shared memory
+            rows.append(Resource(current, int(m.group(1)), props[1], props[2], int(smem.group(1)) if smem else 0, props[0]))
+            current = None
+    for r, name in zip(rows, demangle([r.kernel for r in rows])):
+        r.kernel = name
+    return rows
+
+
+def run_nvcc(arch: str, groups: list[list[str]], tmp: Path) -> str:
+    """One nvcc per group, all at once (the gate is CPU-bound; CI has 2 cores)."""
+    procs = []
+    for i, names in enumerate(groups):
+        src = tmp / f"instances_{arch}_{i}.cu"
+        src.write_text(instantiation_source(names))
+        cmd = [NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v",
+               "-o", str(src.with_suffix(".cubin")), str(src)]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    logs = []
+    for cmd, p in procs:
+        out, _ = p.communicate()
+        assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-6000:]}"
+        logs.append(out)
+    return "\n".join(logs)
+
+
+def report(arch: str, rows: list[Resource]) -> str:
+    lines = [f"ptxas resource usage, {arch} ({len(rows)} kernels): regs / spill st,ld bytes / static smem / stack"]
+    for r in sorted(rows, key=lambda r: r.kernel):
+        lines.append(f"  {r.kernel:<72} {r.registers:>4} regs  spill {r.spill_stores:>3},{r.spill_loads:<3}"
+                     f"  smem {r.smem:>5}  stack {r.stack}")
+    return "\n".join(lines)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: the nvcc compile gate needs the CUDA toolkit")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_gate(arch, tmp_path, capsys):
+    variants = K.all_variants() if FULL else covering_variants() if arch == "sm_80" else SMALL_VARIANTS
+    groups = []
+    for d in K.DTYPES:
+        vs = [v for v in variants if v.dtype == d]
+        groups.append(list(dict.fromkeys(n for v in vs for n in v.name_expressions())))
+    rows = parse_ptxas(run_nvcc(arch, groups, tmp_path))
+    with capsys.disabled():
+        print("\n" + report(arch, rows))
+    expected = sum(len(g) for g in groups)
+    assert len(rows) == expected, f"ptxas reported {len(rows)} entry points, expected {expected}"
+    for r in rows:
+        assert r.registers <= 255, r
+        assert r.spill_stores <= MAX_SPILL_BYTES, f"{r.kernel}: {r.spill_stores} bytes spilled"
+        assert r.smem <= K.DEFAULT_SMEM_LIMIT, r
+    # The default model's shape (fp16, head 64): the hot decode kernel must not spill at all.
+    hot = [r for r in rows if "v1_kernel<__half, 64," in r.kernel]
+    assert hot and all(r.spill_stores == 0 for r in hot), [r for r in hot if r.spill_stores]
+
+
+def _nvrtc():
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception as e:  # cupy missing, or no libnvrtc (the nvidia-cuda-nvrtc wheel provides it)
+        pytest.skip(f"NVRTC unavailable through cupy.cuda.nvrtc: {e}")
+
+
+@pytest.mark.parametrize("variant", SMALL_VARIANTS, ids=lambda v: f"{v.dtype}-h{v.head_size}-bs{v.block_size}")
+def test_nvrtc_gate(variant):
+    nvrtc = _nvrtc()
+    includes = K.cuda_include_dirs()
+    if not includes:
+        pytest.skip("no CUDA headers (cuda_fp16.h) found for NVRTC: install the CUDA toolkit or set CUDA_PATH")
+    names = variant.name_expressions()
+    prog = nvrtc.createProgram(K.full_source(), "paged_attention.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        options = ["--gpu-architecture=sm_80", "-std=c++17", *[f"-I{d}" for d in includes]]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            pytest.fail(f"NVRTC rejected the sources: {e}\n{nvrtc.getProgramLog(prog)}")
+        lowered = [nvrtc.getLoweredName(prog, n) for n in names]
+        assert all(name.startswith("_Z") for name in lowered), lowered
+        assert len(nvrtc.getCUBIN(prog)) > 10_000
+        log = nvrtc.getProgramLog(prog).strip()
+        assert "warning" not in log.lower(), log
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,598 @@
+"""kernels/*.cu run on the CPU through the CUDA emulator, checked against a float64 numpy reference.
+
+Matrix (small problems, the emulator costs ~ms per launch; the compiles are what costs, so each
+dtype's variants share one module, built for all three dtypes in parallel):
+- v1: every head size (block size rotating, GQA ratio 1/2/8 rotating), every block size x GQA ratio;
+- v2: > 512 tokens, several partitions, two variants per dtype, checked against v1 as well;
+- ragged seq_lens with 1, exact multiples of the block size and partial last blocks, shuffled block
+  tables, every unused cache slot poisoned with NaN (a read past the end shows up as NaN);
+- round_robin and greedy schedules give bit-identical outputs (no races on shared memory);
+- reshape_and_cache (negative slots skipped), copy_blocks (several layers in one launch);
+- the emulated backend on mixed prefill (+cached prefix) / decode metadata, and the registry.
+
+The helpers here (make_case, reference, ...) are reused by test_kernel_mutations.py and gpu/.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from pagedrun.attention import kernels as K
+from pagedrun.attention.metadata import AttentionMetadata
+
+DTYPES = tuple(K.DTYPES)
+# max |out - ref| / max |ref|. Output rounding alone is 2^-11 (fp16) / 2^-8 (bf16) relative.
+TOL = {"float16": 6e-4, "bfloat16": 4e-3, "float32": 3e-6}
+GQA_RATIOS = (1, 2, 8)
+V2_VARIANTS = {
+    "float16": [(64, 16), (80, 8)],
+    "bfloat16": [(128, 32), (96, 16)],
+    "float32": [(256, 8), (64, 32)],
+}
+V2_SEQ_LENS = [1, 300, 512, 513, 1200, 1537]
+
+
+def emulator_or_skip():
+    try:
+        import pagedrun.cudaemu as emu  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the machine
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    return emu
+
+
+# ------------------------------------------------------------------ dtype helpers
+
+
+def to_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 -> the array the kernel reads (bf16 as uint16 bits, round to nearest even)."""
+    if dtype == "float16":
+        return x.astype(np.float16)
+    if dtype == "float32":
+        return x.astype(np.float32)
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32).astype(np.uint64)
+    nan = np.isnan(f)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    bits[nan] = 0x7FC0
+    return bits
+
+
+def to_f64(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, dtype: str, what: str = "") -> None:
+    assert np.isfinite(out).all(), f"{what}: non-finite output (read past the end / unwritten memory?)"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]:.1g} ({dtype})"
+
+
+# ------------------------------------------------------------------ cases
+
+
+@dataclass
+class Case:
+    variant: K.KernelVariant
+    num_heads: int
+    num_kv_heads: int
+    seq_lens: list[int]
+    scale: float
+    query: np.ndarray  # [S, H, D] device dtype
+    key_cache: np.ndarray  # [NB, bs, KVH, D]
+    value_cache: np.ndarray
+    block_tables: np.ndarray  # int32 [S, max_blocks]
+    seq_lens_arr: np.ndarray  # int32 [S]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    def empty_out(self, xp=np):
+        return xp.empty(self.query.shape, dtype=self.query.dtype)
+
+    def reference(self) -> np.ndarray:
+        """float64 attention of each query over its first seq_len cached tokens."""
+        d = self.variant.dtype
+        q, kc, vc = to_f64(self.query, d), to_f64(self.key_cache, d), to_f64(self.value_cache, d)
+        bs, D = self.variant.block_size, self.variant.head_size
+        group = self.num_heads // self.num_kv_heads
+        out = np.zeros(q.shape)
+        for s, L in enumerate(self.seq_lens):
+            if L == 0:
+                continue
+            blocks = self.block_tables[s, : -(-L // bs)]
+            k = kc[blocks].reshape(-1, self.num_kv_heads, D)[:L]
+            v = vc[blocks].reshape(-1, self.num_kv_heads, D)[:L]
+            for h in range(self.num_heads):
+                logits = k[:, h // group] @ q[s, h] * self.scale
+                p = np.exp(logits - logits.max())
+                out[s, h] = (p / p.sum()) @ v[:, h // group]
+        return out
+
+
+def make_case(
+    variant: K.KernelVariant, seq_lens: list[int], num_heads: int, num_kv_heads: int, seed: int = 0
+) -> Case:
+    """Random q/K/V (never zeros), shuffled physical blocks, every slot no live token uses = NaN."""
+    rng = np.random.default_rng(seed)
+    bs, D = variant.block_size, variant.head_size
+    nblocks = [-(-L // bs) for L in seq_lens]
+    num_blocks = sum(nblocks) + 2  # +2 spare blocks, one of them pads the block tables
+    perm = rng.permutation(num_blocks)
+    poison_block = int(perm[-1])
+    max_blocks = max(nblocks) + 1
+    block_tables = np.full((len(seq_lens), max_blocks), poison_block, dtype=np.int32)
+    k = np.full((num_blocks, bs, num_kv_heads, D), np.nan)
+    v = np.full((num_blocks, bs, num_kv_heads, D), np.nan)
+    pos = 0
+    for s, (L, n) in enumerate(zip(seq_lens, nblocks)):
+        block_tables[s, :n] = perm[pos : pos + n]
+        pos += n
+        for t in range(L):
+            b, o = block_tables[s, t // bs], t % bs
+            k[b, o] = rng.standard_normal((num_kv_heads, D))
+            v[b, o] = rng.standard_normal((num_kv_heads, D))
+    # q a bit larger than K/V so the softmax is peaked and partitions have different maxima
+    q = 1.5 * rng.standard_normal((len(seq_lens), num_heads, D))
+    d = variant.dtype
+    return Case(
+        variant, num_heads, num_kv_heads, list(seq_lens), 1.0 / math.sqrt(D),
+        to_device_dtype(q, d), to_device_dtype(k, d), to_device_dtype(v, d),
+        block_tables, np.asarray(seq_lens, dtype=np.int32),
+    )
+
+
+def run_case(ker: K.PagedKernels, case: Case, version: str | None) -> tuple[np.ndarray, str]:
+    out = case.empty_out()
+    used = ker.paged_attention(
+        out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens_arr,
+        case.max_seq_len, case.scale, version=version,
+    )
+    return to_f64(out, case.variant.dtype), used
+
+
+def heads_for(ratio: int) -> tuple[int, int]:
+    """(num_heads, num_kv_heads) with num_heads / num_kv_heads == ratio, few heads in all."""
+    kv = 1 if ratio >= 8 else 2
+    return ratio * kv, kv
+
+
+# ------------------------------------------------------------------ the test matrix's variants
+
+
+def head_sweep(dtype: str) -> list[K.KernelVariant]:
+    """Every head size once per dtype; block sizes rotate so each (dtype, block) pair appears too."""
+    di = DTYPES.index(dtype)
+    return [K.KernelVariant(dtype, h, K.BLOCK_SIZES[(i + di) % 3]) for i, h in enumerate(K.HEAD_SIZES)]
+
+
+def block_sweep(dtype: str) -> list[K.KernelVariant]:
+    return [K.KernelVariant(dtype, 64, b) for b in K.BLOCK_SIZES]
+
+
+def v2_variants(dtype: str) -> list[K.KernelVariant]:
+    return [K.KernelVariant(dtype, h, b) for h, b in V2_VARIANTS[dtype]]
+
+
+def module_names(dtype: str) -> list[str]:
+    v1 = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype))
+    names = [n for v in v1 for n in v.name_expressions(("v1",))]
+    names += [n for v in v2_variants(dtype) for n in v.name_expressions(("v2",))]
+    names += v2_variants(dtype)[0].name_expressions(("cache",))
+    return list(dict.fromkeys(names))
+
+
+@functools.lru_cache(maxsize=None)
+def emu_kernels(dtype: str, schedule: str = "round_robin") -> dict[K.KernelVariant, K.PagedKernels]:
+    """All of one dtype's test variants in one emulator module (one g++ run, cached on disk)."""
+    from pagedrun.cudaemu import EmuModule
+
+    module = EmuModule(
+        K.full_source(), name_expressions=module_names(dtype), schedule=schedule,
+        filename="kernels/paged_attention.cu",
+    )
+    variants = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype))
+    return {v: K.PagedKernels(v, module, np) for v in variants}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    emulator_or_skip()
+    # The three g++ builds dominate a cold run: overlap them on the two cores.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(emu_kernels, DTYPES))
+    return emu_kernels
+
+
+# ------------------------------------------------------------------ paged attention v1
+
+
+HEAD_CASES = [(d, i) for d in DTYPES for i in range(len(K.HEAD_SIZES))]
+
+
+@pytest.mark.parametrize(
+    "dtype,i", HEAD_CASES, ids=[f"{d}-h{K.HEAD_SIZES[i]}" for d, i in HEAD_CASES]
+)
+def test_v1_every_head_size(emu, dtype, i):
+    variant = head_sweep(dtype)[i]
+    bs = variant.block_size
+    num_heads, num_kv = heads_for(GQA_RATIOS[i % 3])
+    case = make_case(variant, [1, bs, 2 * bs + 3, 3 * bs - 1], num_heads, num_kv, seed=i)
+    out, used = run_case(emu(dtype)[variant], case, "v1")
+    assert used == "v1"
+    assert_close(out, case.reference(), dtype, str(variant))
+
+
+BLOCK_CASES = [(d, b, r) for d in DTYPES for b in K.BLOCK_SIZES for r in GQA_RATIOS]
+
+
+@pytest.mark.parametrize(
+    "dtype,block_size,ratio", BLOCK_CASES, ids=[f"{d}-bs{b}-gqa{r}" for d, b, r in BLOCK_CASES]
+)
+def test_v1_block_sizes_and_gqa(emu, dtype, block_size, ratio):
+    variant = K.KernelVariant(dtype, 64, block_size)
+    num_heads, num_kv = heads_for(ratio)
+    seq_lens = [37, 1, 2 * block_size, 5 * block_size - 2, 70]
+    case = make_case(variant, seq_lens, num_heads, num_kv, seed=block_size + ratio)
+    out, _ = run_case(emu(dtype)[variant], case, "v1")
+    assert_close(out, case.reference(), dtype, str(variant))
+
+
+def test_v1_zero_length_sequence_gives_zeros(emu):
+    variant = K.KernelVariant("float32", 64, 16)
+    case = make_case(variant, [5, 20], 2, 2)
+    case.seq_lens_arr[0] = 0
+    out, _ = run_case(emu("float32")[variant], case, "v1")
+    assert (out[0] == 0).all()
+    case.seq_lens[0] = 0
+    assert_close(out, case.reference(), "float32")
+
+
+# ------------------------------------------------------------------ paged attention v2
+
+
+V2_CASES = [(d, i) for d in DTYPES for i in range(2)]
+
+
+@pytest.mark.parametrize(
+    "dtype,i", V2_CASES,
+    ids=[f"{d}-h{V2_VARIANTS[d][i][0]}-bs{V2_VARIANTS[d][i][1]}" for d, i in V2_CASES],
+)
+def test_v2_several_partitions(emu, dtype, i):
+    variant = v2_variants(dtype)[i]
+    case = make_case(variant, V2_SEQ_LENS, 4, 2, seed=100 + i)
+    assert K.num_partitions(case.max_seq_len) == 4
+    ker = emu(dtype)[variant]
+    ref = case.reference()
+    out2, used = run_case(ker, case, "v2")
+    assert used == "v2"
+    assert_close(out2, ref, dtype, f"v2 {variant}")
+    out1, _ = run_case(ker, case, "v1")
+    assert_close(out1, ref, dtype, f"v1 {variant}")
+
+
+def test_default_dispatch_follows_vllm_rule(emu):
+    variant = v2_variants("float16")[0]
+    ker = emu("float16")[variant]
+    long_case = make_case(variant, [600, 3], 2, 1)  # 2 partitions, 4 (seq, head) blocks -> v2
+    out, used = run_case(ker, long_case, None)
+    assert used == "v2"
+    assert_close(out, long_case.reference(), "float16")
+    short_case = make_case(variant, [300, 3], 2, 1)  # one partition -> v1
+    assert run_case(ker, short_case, None)[1] == "v1"
+
+
+def test_v1_v2_rule():
+    assert K.use_v1(512, 1, 1)  # one partition
+    assert not K.use_v1(513, 1, 8)  # two partitions, few blocks
+    assert K.use_v1(513, 64, 9)  # 576 (seq, head) blocks fill the GPU
+    assert not K.use_v1(513, 64, 8)  # exactly 512 is not > 512
+    assert not K.use_v1(8193, 1024, 32)  # too long for v1's shared-memory logits
+    assert K.num_partitions(1) == 1 and K.num_partitions(512) == 1 and K.num_partitions(1537) == 4
+
+
+# ------------------------------------------------------------------ schedules
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_schedule_is_bit_identical(emu, dtype):
+    """Reductions have a fixed order, so any schedule must give the same bits; a race would not."""
+    emulator_or_skip()
+    greedy = emu_kernels(dtype, "greedy")  # same source: a disk-cache hit, no second build
+    for variant in v2_variants(dtype):
+        case = make_case(variant, V2_SEQ_LENS[:4] + [700], 4, 2, seed=7)
+        for version in ("v1", "v2"):
+            a, _ = run_case(emu(dtype)[variant], case, version)
+            b, _ = run_case(greedy[variant], case, version)
+            assert np.array_equal(a, b), f"{variant} {version}: schedules disagree"
+            assert_close(b, case.reference(), dtype, f"greedy {variant} {version}")
+
+
+# ------------------------------------------------------------------ cache ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(emu, dtype):
+    rng = np.random.default_rng(3)
+    variant = v2_variants(dtype)[0]
+    bs, D, kvh, nb, T = variant.block_size, variant.head_size, 3, 6, 9
+    key = to_device_dtype(rng.standard_normal((T, kvh, D)), dtype)
+    value = to_device_dtype(rng.standard_normal((T, kvh, D)), dtype)
+    kc = to_device_dtype(rng.standard_normal((nb, bs, kvh, D)), dtype)
+    vc = to_device_dtype(rng.standard_normal((nb, bs, kvh, D)), dtype)
+    slots = rng.choice(nb * bs, size=T, replace=False).astype(np.int64)
+    slots[[2, 5]] = -1  # padding tokens: not written
+    exp_k, exp_v = kc.copy(), vc.copy()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            exp_k[s // bs, s % bs] = key[t]
+            exp_v[s // bs, s % bs] = value[t]
+    emu(dtype)[variant].reshape_and_cache(key, value, kc, vc, slots)
+    assert np.array_equal(kc.view(np.uint8), exp_k.view(np.uint8))
+    assert np.array_equal(vc.view(np.uint8), exp_v.view(np.uint8))
+
+
+def test_reshape_and_cache_strided_key(emu):
+    """key/value as column slices of a fused qkv row: token stride != row size."""
+    rng = np.random.default_rng(4)
+    variant = v2_variants("float32")[0]
+    bs, D, kvh = variant.block_size, variant.head_size, 2
+    qkv = rng.standard_normal((4, 3, kvh, D)).astype(np.float32)
+    key, value = qkv[:, 1], qkv[:, 2]
+    kc = np.zeros((2, bs, kvh, D), np.float32) + 7
+    vc = np.zeros_like(kc) + 7
+    slots = np.array([0, 3, bs, bs + 1], np.int64)
+    emu("float32")[variant].reshape_and_cache(key, value, kc, vc, slots)
+    assert np.array_equal(kc.reshape(-1, kvh, D)[slots], key)
+    assert np.array_equal(vc.reshape(-1, kvh, D)[slots], value)
+    assert (kc.reshape(-1, kvh, D)[2] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_all_layers_one_launch(emu, dtype):
+    rng = np.random.default_rng(5)
+    variant = v2_variants(dtype)[0]
+    shape = (7, variant.block_size, 2, variant.head_size)
+    layers = [
+        (to_device_dtype(rng.standard_normal(shape), dtype), to_device_dtype(rng.standard_normal(shape), dtype))
+        for _ in range(3)
+    ]
+    expected = [(k.copy(), v.copy()) for k, v in layers]
+    pairs = np.array([[0, 4], [2, 5], [2, 6]], dtype=np.int64)
+    for k, v in expected:
+        for s, d in pairs:
+            k[d], v[d] = k[s], v[s]
+    key_ptrs = np.array([k.ctypes.data for k, _ in layers], dtype=np.int64)
+    value_ptrs = np.array([v.ctypes.data for _, v in layers], dtype=np.int64)
+    numel = int(np.prod(shape[1:]))
+    emu(dtype)[variant].copy_blocks(key_ptrs, value_ptrs, pairs, numel)
+    for (k, v), (ek, ev) in zip(layers, expected):
+        assert np.array_equal(k.view(np.uint8), ek.view(np.uint8))
+        assert np.array_equal(v.view(np.uint8), ev.view(np.uint8))
+
+
+# ------------------------------------------------------------------ launch helpers
+
+
+def test_pseudo_sequences():
+    token_to_seq, lens = K.pseudo_sequences([3, 1, 2], [5, 9, 2])
+    assert token_to_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    # seq0: context 2, queries at positions 2,3,4; seq1: decode; seq2: no prefix
+    assert lens.tolist() == [3, 4, 5, 9, 1, 2]
+    assert lens.dtype == np.int32
+
+
+def test_variant_and_argument_checks(emu):
+    with pytest.raises(ValueError, match="head_size 72"):
+        K.KernelVariant("float16", 72, 16)
+    with pytest.raises(ValueError, match="block_size 64"):
+        K.KernelVariant("float16", 64, 64)
+    with pytest.raises(ValueError, match="float64"):
+        K.dtype_name(np.float64)
+    variant = v2_variants("float32")[1]
+    case = make_case(variant, [40, 9], 2, 2)
+    ker = emu("float32")[variant]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        ker.paged_attention(case.empty_out(), case.query, case.key_cache, case.value_cache,
+                            case.block_tables, case.seq_lens_arr, 20, case.scale)
+    with pytest.raises(ValueError, match="int32"):
+        ker.paged_attention(case.empty_out(), case.query, case.key_cache, case.value_cache,
+                            case.block_tables.astype(np.int64), case.seq_lens_arr, 40, case.scale)
+
+
+def test_shared_memory_sizes():
+    assert K.v1_shared_mem(300, 64, 16) == 4 * 304  # logits of 19 whole blocks
+    assert K.v1_shared_mem(3, 256, 16) == 4 * 4 * 256  # the output reduction needs more than logits
+    assert K.v1_shared_mem(8192, 128, 16) <= K.DEFAULT_SMEM_LIMIT
+    assert K.v2_shared_mem(64) == 4 * 512
+    assert K.reduce_shared_mem(4) == 32
+
+
+# ------------------------------------------------------------------ the emulated backend
+
+
+@dataclass
+class StepSpec:
+    context_lens: list[int]
+    query_lens: list[int]
+
+
+def build_step(spec: StepSpec, dtype: torch.dtype, head_size: int, block_size: int, num_heads: int,
+               num_kv_heads: int, seed: int, pad_tokens: int = 1, poison: bool = True):
+    """Caches holding each sequence's context, this step's q/k/v and its AttentionMetadata, plus the
+    float64 K/V of every sequence (context + new) for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(spec.context_lens, spec.query_lens)]
+    nblocks = [-(-L // block_size) for L in seq_lens]
+    num_blocks = sum(nblocks) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(nblocks)
+    block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    if poison:  # every slot no token of this step may read is NaN
+        key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        value_cache = key_cache.clone()
+    else:
+        key_cache = torch.randn(shape, generator=g).to(dtype)
+        value_cache = torch.randn(shape, generator=g).to(dtype)
+    full_k, full_v, slots = [], [], []
+    new_k, new_v = [], []
+    pos = 0
+    for i, (c, q, n) in enumerate(zip(spec.context_lens, spec.query_lens, nblocks)):
+        block_tables[i, :n] = torch.tensor(perm[pos : pos + n], dtype=torch.int32)
+        pos += n
+        k = torch.randn((c + q, num_kv_heads, head_size), generator=g).to(dtype)
+        v = torch.randn((c + q, num_kv_heads, head_size), generator=g).to(dtype)
+        full_k.append(k.double())
+        full_v.append(v.double())
+        for t in range(c + q):
+            slot = int(block_tables[i, t // block_size]) * block_size + t % block_size
+            if t < c:  # the cached prefix, written by earlier steps
+                key_cache.view(-1, num_kv_heads, head_size)[slot] = k[t]
+                value_cache.view(-1, num_kv_heads, head_size)[slot] = v[t]
+            else:
+                slots.append(slot)
+        new_k.append(k[c:])
+        new_v.append(v[c:])
+    num_real = sum(spec.query_lens)
+    T = num_real + pad_tokens
+    query = (1.5 * torch.randn((T, num_heads, head_size), generator=g)).to(dtype)
+    key = torch.cat(new_k + [torch.randn((pad_tokens, num_kv_heads, head_size), generator=g).to(dtype)])
+    value = torch.cat(new_v + [torch.randn((pad_tokens, num_kv_heads, head_size), generator=g).to(dtype)])
+    qsl = [0]
+    for q in spec.query_lens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(spec.context_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(spec.query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_list=list(spec.query_lens),
+        seq_lens_list=seq_lens,
+    )
+    return query, key, value, key_cache, value_cache, meta, full_k, full_v
+
+
+def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads) -> torch.Tensor:
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    q64 = query.double()
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc.tolist()
+    for i, qlen in enumerate(meta.query_lens_list):
+        c = int(meta.context_lens[i])
+        for j in range(qlen):
+            L = c + j + 1
+            for h in range(num_heads):
+                logits = full_k[i][:L, h // group] @ q64[starts[i] + j, h] * scale
+                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][:L, h // group]
+    return out
+
+
+BACKEND_CASES = [
+    # (dtype, head_size, block_size, heads, kv_heads, spec)
+    ("float32", 64, 32, 4, 2, StepSpec([0, 40, 7, 0], [5, 3, 1, 1])),  # prefill, prefix+prefill, decodes
+    ("float16", 64, 16, 9, 3, StepSpec([16, 0, 33], [4, 6, 1])),  # SmolLM2's 9/3 heads, prefix = 1 block
+    ("bfloat16", 96, 16, 2, 1, StepSpec([20, 5], [1, 1])),  # decode only: the direct path
+]
+
+
+@pytest.mark.parametrize("case", BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in BACKEND_CASES])
+def test_emulated_backend_mixed_step(emu, case):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    dtype_name, D, bs, H, KVH, spec = case
+    dtype = getattr(torch, dtype_name)
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, dtype, D, bs, H, KVH, seed=D + bs)
+    scale = D**-0.5
+    out = backend.forward(query, key, value, kc, vc, meta, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    ref = causal_reference(query, meta, fk, fv, scale, H, KVH)
+    assert_close(out.double().numpy(), ref.numpy(), dtype_name, "backend")
+    assert (out[sum(spec.query_lens):] == 0).all(), "padding rows must stay zero"
+    assert backend.last_version == "v1"
+    # every new token's K/V landed in its slot (the cache was written in place)
+    flat_k = kc.view(-1, KVH, D)
+    assert torch.equal(flat_k[meta.slot_mapping[: sum(spec.query_lens)]], key[: sum(spec.query_lens)])
+
+
+def test_emulated_backend_long_prefix_uses_v2(emu):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
+    spec = StepSpec([700, 3], [2, 1])  # pseudo-sequences of up to 702 tokens, 3 tokens x 4 heads
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, torch.float16, 64, 16, 4, 2, seed=9)
+    out = backend.forward(query, key, value, kc, vc, meta, 0.125)
+    assert backend.last_version == "v2"
+    ref = causal_reference(query, meta, fk, fv, 0.125, 4, 2)
+    assert_close(out.double().numpy(), ref.numpy(), "float16", "backend v2")
+
+
+def test_emulated_backend_matches_torch_backend(emu):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    try:
+        from pagedrun.attention.torch_backend import TorchAttentionBackend
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"torch backend not importable: {e}")
+    spec = StepSpec([0, 40, 7], [5, 3, 1])
+    args = build_step(spec, torch.float32, 64, 32, 4, 2, seed=11, poison=False)
+    args_t = build_step(spec, torch.float32, 64, 32, 4, 2, seed=11, poison=False)
+    a = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v]).forward(*args[:6], 0.125)
+    b = TorchAttentionBackend().forward(*args_t[:6], 0.125)
+    n = sum(spec.query_lens)
+    assert torch.allclose(a[:n], b[:n], atol=1e-5, rtol=1e-4)
+    assert torch.equal(args[3], args_t[3]) and torch.equal(args[4], args_t[4])  # same cache writes
+
+
+def test_emulated_backend_copy_blocks(emu):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
+    g = torch.Generator().manual_seed(1)
+    caches = [
+        (torch.randn((6, 8, 2, 80), generator=g).half(), torch.randn((6, 8, 2, 80), generator=g).half())
+        for _ in range(2)
+    ]
+    expected = [(k.clone(), v.clone()) for k, v in caches]
+    for k, v in expected:
+        k[[3, 5]] = k[[1, 1]]
+        v[[3, 5]] = v[[1, 1]]
+    backend.copy_blocks(caches, [(1, 3), (1, 5)])
+    for (k, v), (ek, ev) in zip(caches, expected):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registry_auto_and_errors():
+    from pagedrun.attention import registry
+    from pagedrun.errors import PagedrunError
+
+    assert "torch" in registry.available_backends()
+    backend = registry.make_backend("auto", torch.device("cpu"))
+    assert backend.name == "torch"
+    if "cupy" not in registry.available_backends():
+        with pytest.raises(PagedrunError, match="^attention_backend: cupy needs a CUDA GPU; use auto or torch$"):
+            registry.make_backend("cupy", torch.device("cpu"))
+    with pytest.raises(PagedrunError, match="unknown backend"):
+        registry.make_backend("flash", "cpu")
+    if "emulated" in registry.available_backends():
+        assert registry.make_backend("emulated", "cpu").name == "emulated"

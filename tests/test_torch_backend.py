@@ -1,0 +1,232 @@
+"""TorchAttentionBackend against a float64 reference that never looks at the paged cache.
+
+Each case draws every sequence's full K/V, writes the already-cached part into randomly chosen
+blocks, fills every other slot with NaN (so reading a slot that was never written poisons the
+result), and hands the backend only this step's new tokens. The reference attends over the
+original per-sequence K/V with explicit loops.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.torch_backend import TorchAttentionBackend, reshape_and_cache
+
+
+def reference_attention(
+    queries: list[torch.Tensor],  # per sequence [qlen, heads, hd]
+    keys: list[torch.Tensor],  # per sequence, the whole sequence [seq_len, kv_heads, hd]
+    values: list[torch.Tensor],
+    context_lens: list[int],
+    scale: float,
+) -> list[torch.Tensor]:
+    """Causal attention in float64, one (sequence, query, head) at a time."""
+    outs = []
+    for q, k, v, ctx in zip(queries, keys, values, context_lens):
+        q, k, v = q.double(), k.double(), v.double()
+        qlen, heads, hd = q.shape
+        group = heads // k.shape[1]
+        out = torch.empty(qlen, heads, hd, dtype=torch.float64)
+        for j in range(qlen):
+            visible = ctx + j + 1  # keys 0..ctx+j
+            for h in range(heads):
+                kh = h // group
+                scores = (k[:visible, kh] @ q[j, h]) * scale
+                weights = torch.exp(scores - scores.max())
+                out[j, h] = (weights / weights.sum()) @ v[:visible, kh]
+        outs.append(out)
+    return outs
+
+
+class Case:
+    """A batch of sequences (context_len, query_len) laid out in a paged cache."""
+
+    def __init__(self, seqs, block_size, heads, kv_heads, head_dim=16, shuffle=True, seed=0,
+                 dtype=torch.float32, num_pad_tokens=0):
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        self.block_size, self.dtype = block_size, dtype
+        need = sum(-(-(c + n) // block_size) for c, n in seqs)
+        num_blocks = need + 3
+        ids = list(range(num_blocks))
+        if shuffle:
+            rng.shuffle(ids)
+        self.key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+        self.value_cache = torch.full_like(self.key_cache, float("nan"))
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        self.queries, self.keys, self.values, tables = [], [], [], []
+        slots, new_k, new_v, q_all = [], [], [], []
+        for ctx, n in seqs:
+            seq_len = ctx + n
+            table = [ids.pop() for _ in range(-(-seq_len // block_size))]
+            tables.append(table)
+            k, v = randn(seq_len, kv_heads, head_dim), randn(seq_len, kv_heads, head_dim)
+            q = randn(n, heads, head_dim)
+            self.keys.append(k), self.values.append(v), self.queries.append(q)
+            for pos in range(seq_len):
+                slot = table[pos // block_size] * block_size + pos % block_size
+                if pos < ctx:  # cached before this step
+                    self.key_cache.view(-1, kv_heads, head_dim)[slot] = k[pos]
+                    self.value_cache.view(-1, kv_heads, head_dim)[slot] = v[pos]
+                else:
+                    slots.append(slot)
+            new_k.append(k[ctx:]), new_v.append(v[ctx:]), q_all.append(q)
+        for _ in range(num_pad_tokens):  # padding: garbage that must be neither written nor read
+            slots.append(-1)
+            new_k.append(randn(1, kv_heads, head_dim)), new_v.append(randn(1, kv_heads, head_dim))
+            q_all.append(randn(1, heads, head_dim))
+        self.query, self.key, self.value = torch.cat(q_all), torch.cat(new_k), torch.cat(new_v)
+        qlens = [n for _, n in seqs]
+        seq_lens = [c + n for c, n in seqs]
+        width = max(len(t) for t in tables)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor([0] + list(_cumsum(qlens)), dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            query_lens_list=qlens,
+            seq_lens_list=seq_lens,
+        )
+        self.context_lens = [c for c, _ in seqs]
+        self.scale = head_dim**-0.5
+
+    def run(self):
+        return TorchAttentionBackend().forward(
+            self.query, self.key, self.value, self.key_cache, self.value_cache, self.meta, self.scale
+        )
+
+    def check(self, atol=1e-5):
+        out = self.run()
+        assert out.shape == self.query.shape and out.dtype == self.query.dtype
+        ref = reference_attention(self.queries, self.keys, self.values, self.context_lens, self.scale)
+        start = 0
+        for i, r in enumerate(ref):
+            got = out[start : start + r.shape[0]].double()
+            assert torch.isfinite(got).all(), f"seq {i}: non-finite output"
+            err = (got - r).abs().max().item()
+            assert err < atol, f"seq {i} (ctx {self.context_lens[i]}, q {r.shape[0]}): max error {err}"
+            start += r.shape[0]
+        return out
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+GQA = [(4, 4), (4, 2), (8, 1)]  # ratios 1, 2, 8
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_decode_only_ragged(block_size, heads, kv_heads):
+    # seq_lens: 1, exact multiples of the block size, one past, one short, a long one.
+    lens = [1, block_size, 2 * block_size, block_size + 1, 3 * block_size - 1, 5, 77]
+    Case([(n - 1, 1) for n in lens], block_size, heads, kv_heads, seed=block_size + heads).check()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_prefill_only(block_size, heads, kv_heads):
+    Case([(0, 7), (0, block_size), (0, 1), (0, 2 * block_size + 3)], block_size, heads, kv_heads,
+         seed=3).check()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_mixed_prefill_cached_prefix_decode(block_size, heads, kv_heads):
+    seqs = [
+        (0, 9),  # fresh prefill
+        (block_size, 5),  # prefix hit of exactly one block, then 5 new tokens
+        (13, 1),  # decode
+        (2 * block_size + 3, block_size),  # chunked prefill continuing mid-block
+        (0, 1),  # one-token prompt
+        (40, 1),  # decode
+    ]
+    Case(seqs, block_size, heads, kv_heads, seed=block_size * heads).check()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_block_table_order_does_not_matter(shuffle):
+    seqs = [(20, 1), (0, 12), (9, 4)]
+    out = Case(seqs, 8, 4, 2, shuffle=shuffle, seed=11).check()
+    other = Case(seqs, 8, 4, 2, shuffle=not shuffle, seed=11).run()
+    torch.testing.assert_close(out, other, atol=1e-5, rtol=0)
+
+
+def test_writes_new_tokens_and_skips_negative_slots():
+    case = Case([(5, 3), (0, 4), (10, 1)], 8, 4, 2, seed=5, num_pad_tokens=2)
+    before_k = case.key_cache.clone()
+    out = case.check()
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must stay zero"
+    written = ~torch.isnan(case.key_cache) & torch.isnan(before_k)
+    assert int(written.any(-1).any(-1).sum()) == 3 + 4 + 1  # exactly the real new tokens
+    flat_k = case.key_cache.view(-1, 2, 16)
+    for slot, k in zip(case.meta.slot_mapping.tolist(), case.key):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision(dtype, atol):
+    Case([(0, 6), (17, 1), (8, 3), (31, 1)], 16, 8, 2, seed=9, dtype=dtype).check(atol=atol)
+
+
+def test_decode_batch_matches_one_at_a_time():
+    # The batched decode path must give each sequence what it would get alone.
+    lens = [3, 17, 32, 33, 64]
+    batch = Case([(n - 1, 1) for n in lens], 16, 8, 2, seed=21)
+    out = batch.check()
+    m = batch.meta
+    for i, n in enumerate(lens):
+        alone = AttentionMetadata(
+            slot_mapping=torch.tensor([-1]),  # already written by the batch
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=m.seq_lens[i : i + 1],
+            context_lens=m.context_lens[i : i + 1],
+            block_tables=m.block_tables[i : i + 1, : -(-n // 16)],
+            max_query_len=1,
+            max_seq_len=n,
+            block_size=16,
+            query_lens_list=[1],
+            seq_lens_list=[n],
+        )
+        single = TorchAttentionBackend().forward(
+            batch.query[i : i + 1], batch.key[i : i + 1], batch.value[i : i + 1],
+            batch.key_cache, batch.value_cache, alone, batch.scale,
+        )
+        torch.testing.assert_close(out[i : i + 1], single, atol=1e-6, rtol=0)
+
+
+def test_reshape_and_cache_layout():
+    key_cache = torch.zeros(4, 8, 2, 4)
+    value_cache = torch.zeros(4, 8, 2, 4)
+    key = torch.randn(3, 2, 4)
+    value = torch.randn(3, 2, 4)
+    reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([2 * 8 + 5, -1, 3 * 8 + 7]))
+    assert torch.equal(key_cache[2, 5], key[0]) and torch.equal(value_cache[3, 7], value[2])
+    assert int((key_cache != 0).any(-1).any(-1).sum()) == 2
+
+
+def test_copy_blocks_every_layer():
+    caches = [(torch.randn(6, 8, 2, 4), torch.randn(6, 8, 2, 4)) for _ in range(3)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    TorchAttentionBackend().copy_blocks(caches, [(1, 4), (2, 0)])
+    for (k, v), (k0, v0) in zip(caches, before):
+        assert torch.equal(k[4], k0[1]) and torch.equal(v[4], v0[1])
+        assert torch.equal(k[0], k0[2]) and torch.equal(v[0], v0[2])
+        for b in (1, 2, 3, 5):
+            assert torch.equal(k[b], k0[b]) and torch.equal(v[b], v0[b])
+    TorchAttentionBackend().copy_blocks(caches, [])  # no-op

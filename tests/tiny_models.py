@@ -1,0 +1,97 @@
+"""Tiny random-initialised HF checkpoints of each supported family, written with transformers itself.
+
+They are the oracle's input: the same directory is loaded by transformers (reference) and by
+pagedrun's loader (under test). Small enough that a forward pass takes milliseconds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "llama3", "llama_linear", "qwen2", "qwen3", "mistral", "llama_tied")
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=640,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+# family -> (config class name, model class name, overrides)
+_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_key_value_heads=1,  # GQA ratio 4
+            rope_theta=500000.0,
+            max_position_embeddings=1024,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,  # small so the smoothing band hits head_dim 16
+            ),
+            eos_token_id=[2, 3],
+        ),
+    ),
+    "llama_linear": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling=dict(rope_type="linear", factor=4.0), attention_bias=True, mlp_bias=True),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, rope_theta=1000000.0),  # head_dim != hidden / heads (16)
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_key_value_heads=4, sliding_window=None),
+    ),
+    "llama_tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, num_hidden_layers=2),
+    ),
+}
+
+
+def make_tiny_model(family: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random tiny `family` model (config.json + model.safetensors, no tokenizer) to path."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+    config_cls, model_cls, family_overrides = _FAMILIES[family]
+    kwargs = {**_BASE, **family_overrides, **overrides}
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    # HF's init (std 0.02, unit norms) makes nearly flat logits; perturb norms and biases so that
+    # every parameter matters and greedy choices are not decided by rounding noise.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
