@@ -28,6 +28,7 @@ batch and the replica's MemoryPlan; the driver rebuilds each replica's report wi
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ import os
 import pickle
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -100,8 +102,14 @@ class EngineReplica:
 
         from pagedrun.sampling_params import SamplingParams
 
+        index = [int(i) for i in batch["index"]]
         if self.init_error is not None:
-            raise PagedrunError(self.init_error)
+            # Returned, not raised: Ray Data would count a raised error as a failed batch and go on.
+            fatal = pickle.dumps({"fatal": self.init_error})
+            return {"index": np.array(index, dtype=np.int64),
+                    "replica": np.array([self.replica_id] * len(index), dtype=object),
+                    "output": np.array([b""] * len(index), dtype=object),
+                    "stats": np.array([fatal] + [b""] * (len(index) - 1), dtype=object)}
         self.batches += 1
         t0 = time.perf_counter()
         requests = [
@@ -112,17 +120,18 @@ class EngineReplica:
         try:
             outs = self._run(requests)
         except Exception:
-            # Which request failed is unknown and the engine's state is suspect: rebuild it and run
-            # one at a time, so only a request that fails on its own becomes an error record.
+            # Which request failed is unknown and the engine's state is suspect: rebuild it (once)
+            # and run the batch one request at a time, so only a request that fails on its own
+            # becomes an error record.
+            self._new_engine()
             outs = []
             for r in requests:
-                self._new_engine()
                 try:
                     outs += self._run([r])
                 except Exception as e:
                     outs.append(_error_output(r, f"failed in replica {self.replica_id}: {type(e).__name__}: "
                                                  + " ".join(str(e).split())))
-            self._new_engine()
+                    self._recover()
         busy_s = time.perf_counter() - t0
         engine = self.llm.engine
         steps = self.pending_steps + engine.steps[self._sent:]
@@ -131,13 +140,23 @@ class EngineReplica:
                  "memory": engine.memory, "max_model_len": engine.max_model_len, "load_s": self.load_s,
                  "busy_s": busy_s, "steps": steps}
         by_id = {o.request_id: o for o in outs}
-        index = [int(i) for i in batch["index"]]
         return {
             "index": np.array(index, dtype=np.int64),
             "replica": np.array([self.replica_id] * len(requests), dtype=object),
             "output": np.array([pickle.dumps(by_id[r.id]) for r in requests], dtype=object),
             "stats": np.array([pickle.dumps(stats)] + [b""] * (len(requests) - 1), dtype=object),
         }
+
+    def _recover(self) -> None:
+        """After a request failed alone: drop it; rebuild the engine only if blocks leaked."""
+        engine = self.llm.engine
+        try:
+            engine.scheduler.abort_all()
+            clean = engine.kv.num_free_gpu_blocks == engine.kv.num_gpu_blocks
+        except Exception:
+            clean = False
+        if not clean:
+            self._new_engine()
 
     def _run(self, requests: list[_Req]) -> list:
         poison = os.environ.get(POISON_ID_ENV)
@@ -222,7 +241,7 @@ def connect(address: str | None, quiet: bool) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
-    logging.getLogger("ray").setLevel(logging.WARNING)
+    quiet_ray_logs()
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=not quiet,
                  configure_logging=True, include_dashboard=False)
@@ -231,6 +250,24 @@ def connect(address: str | None, quiet: bool) -> bool:
         raise PagedrunError(f"--ray-address {where}: cannot connect to a Ray cluster: "
                             + " ".join(str(e).split())) from None
     return True
+
+
+class _DropNotices(logging.Filter):
+    """Ray's notices that do not apply here: we disable Ray Data's progress bars on purpose (ours is
+    on screen), and a cluster we start ourselves is local to this process."""
+
+    NOTICES = ("Progress bars disabled", "Token authentication is enabled for this Ray cluster")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in str(record.msg) for n in self.NOTICES)
+
+
+def quiet_ray_logs() -> None:
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # not its INFO lines per dataset
+    for name in ("ray.data._internal.progress", "ray._private.authentication.authentication_token_setup"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotices) for f in log.filters):
+            log.addFilter(_DropNotices())
 
 
 def actor_resources(recipe, replicas: int | None, cluster: dict) -> tuple[int, dict, Any]:
@@ -359,6 +396,8 @@ def _run(ray, requests, invalid, writer, *, recipe, actor_recipe, replicas: int,
         for rid, stats in zip(batch["replica"], batch["stats"]):
             if stats:
                 s = pickle.loads(stats)
+                if "fatal" in s:  # the replica could not build its engine: the words of a local run
+                    raise PagedrunError(s["fatal"])
                 if rid not in replica_records:
                     replica_records[rid] = ReplicaRecord(rid, s["node"], s["pid"], s["device"])
                 replica_records[rid].add(s)
@@ -385,7 +424,8 @@ def _run(ray, requests, invalid, writer, *, recipe, actor_recipe, replicas: int,
             _pass(ray, lost, actor_recipe, replicas, resources, 1, consume, stop)
             for r in lost:
                 if request_key(r.id) not in writer and not stop():
-                    o = _error_output(r, f"the replica running it died on each of {MAX_TASK_RETRIES + 1} attempts")
+                    o = _error_output(r, "no replica returned it: its batch failed on every attempt, twice "
+                                         "(a replica process that keeps dying, e.g. out of memory; see the Ray logs)")
                     o.index = index_of[r.id]
                     writer.write(output_record(o))
                     results.append(o)
@@ -423,46 +463,42 @@ def _pass(ray, requests, actor_recipe, replicas: int, resources: dict, batch_siz
 
     rows = [{"index": i, "id": r.id, "prompt_token_ids": list(r.prompt_token_ids),
              "sampling": json.dumps(r.sampling.to_dict())} for i, r in enumerate(requests)]
+    quiet_ray_logs()  # Ray Data configures its loggers when first imported: after connect()
     ctx = DataContext.get_current()
-    saved = (ctx.enable_progress_bars, ctx.max_errored_blocks, ctx.print_on_execution_start)
-    # Ours is the progress bar; a batch that exhausted its retries is dropped, not fatal (see _run).
-    ctx.enable_progress_bars, ctx.max_errored_blocks, ctx.print_on_execution_start = False, -1, False
+    names = ("enable_progress_bars", "max_errored_blocks", "print_on_execution_start", "wait_for_min_actors_s")
+    saved = {k: getattr(ctx, k) for k in names}
+    # Ours is the progress bar; a batch that exhausted its retries is dropped, not fatal (see _run);
+    # no batch is handed out before every replica has loaded its model, or the first one up would
+    # queue the first batches of all (a generous limit: a large model loads from network storage).
+    for k, v in zip(names, (False, -1, False, 3600)):
+        setattr(ctx, k, v)
     try:
         ds = ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / batch_size)))
-        ds = ds.map_batches(
-            EngineReplica, fn_constructor_kwargs={"recipe": actor_recipe}, batch_size=batch_size,
-            batch_format="numpy", compute=ActorPoolStrategy(size=min(replicas, len(rows))),
-            max_restarts=-1, max_task_retries=MAX_TASK_RETRIES, **resources,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            ds = ds.map_batches(
+                EngineReplica, fn_constructor_kwargs={"recipe": actor_recipe}, batch_size=batch_size,
+                batch_format="numpy", compute=ActorPoolStrategy(size=min(replicas, len(rows))),
+                **resources, **_retry_args(ds.map_batches),
+            )
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
             consume(batch)
             if stop():
                 break
-    except Exception as e:
-        cause = _pagedrun_cause(e)
-        if cause is not None:
-            raise PagedrunError(f"replica: {cause}") from None
-        raise
     finally:
-        ctx.enable_progress_bars, ctx.max_errored_blocks, ctx.print_on_execution_start = saved
+        for k, v in saved.items():
+            setattr(ctx, k, v)
 
 
-def _pagedrun_cause(e: BaseException) -> str | None:
-    """The message of a PagedrunError raised in a replica, however Ray wrapped it."""
-    seen = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, PagedrunError) and type(x).__module__.startswith("pagedrun"):
-            return str(x)
-        cause = getattr(x, "cause", None)
-        if isinstance(cause, BaseException):
-            stack.append(cause)
-        stack += [x.__cause__, x.__context__]
-    return None
+def _retry_args(map_batches) -> dict:
+    """Bound the retries of a batch whose replica died (Ray Data's default is to retry forever,
+    which a request that kills its process every time turns into a hang). Actor restarts stay
+    unbounded (Ray Data's default): a replica lost with its node must come back. Passed as a Ray
+    remote argument, which Ray Data deprecates; where it is gone, its default applies."""
+    params = inspect.signature(map_batches).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return {}
+    return {"max_restarts": -1, "max_task_retries": MAX_TASK_RETRIES}
 
 
 # ---------------------------------------------------------------- the merged report
@@ -531,8 +567,9 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
         "provenance": {
             "total": "derived: counters summed over replicas; blocks_in_use.peak and kv_capacity are sums of "
                      "each replica's own peak and capacity (the peaks need not coincide in time); "
-                     "throughput.wall_s is the driver's (first request sent to last output received) and "
-                     "tokens/s divide by it; latency percentiles are over every request of every replica",
+                     "throughput.wall_s is the driver's, from the first request sent to the last output received "
+                     "(it includes the replicas' start-up: process, imports, model load) and tokens/s divide by it; "
+                     "driver_setup_s is reading the requests and joining the cluster; latency percentiles are over every request of every replica",
             "replicas": "one report per engine instance, as a local run writes (see its own provenance); "
                         "a replica restarted by Ray after a crash is a new engine and a new entry; "
                         "throughput.wall_s there is the time the replica spent running batches",
@@ -544,7 +581,7 @@ def print_replicas(console: Console, report: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"{report['num_replicas']} replica(s)", box=None)
-    for col in ("replica", "node", "device", "batches", "requests", "prompt tok", "output tok", "busy s",
+    for col in ("replica", "node", "device", "batches", "requests", "prompt tok", "output tok", "wall s",
                 "peak blocks", "preempt", "prefix hit"):
         t.add_column(col, justify="right" if col not in ("replica", "node", "device") else "left")
 

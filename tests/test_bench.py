@@ -64,6 +64,18 @@ def test_bench_json_has_throughput_ratios_and_roofline(model_dir, prompts, tmp_p
     b4 = res["engines"][2]
     assert b4["executed_tokens"] == 4 * (17 + 8 - 1)
     assert "hf-continuous" in text and "x pagedrun" in text
+    assert _check_module().check(res) == []  # what CI runs on `pagedrun bench --quick --json`
+
+
+def _check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "check_bench.py"
+    spec = importlib.util.spec_from_file_location("check_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monkeypatch):
@@ -80,6 +92,7 @@ def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monk
     code, res, _ = bench(model_dir, prompts, tmp_path, engines=("pagedrun", "hf-static"))
     assert code == 1
     assert res["outputs_match"] is False
+    assert any("outputs differ" in p for p in _check_module().check(res))
     assert res["mismatches"] == [
         {"request": "r1", "engine": "hf-static", "config": c, "first_difference_at": 0,
          "reference_tokens": 3, "tokens": 3} for c in ("batch 2", "batch 4")]

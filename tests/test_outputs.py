@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,8 @@ def test_a_signal_during_a_write_waits_for_the_whole_line(tmp_path, monkeypatch)
     def split_write(fd, data):
         calls.append(len(data))
         if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-line
+            # Aimed at this thread, which blocks it: it waits until the line is whole.
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             return real_write(fd, bytes(data[: len(data) // 2]))
         return real_write(fd, data)
 
@@ -193,4 +195,30 @@ def test_a_signal_during_a_write_waits_for_the_whole_line(tmp_path, monkeypatch)
     assert len(calls) == 2  # the handler ran only after the second half was written
     assert lines(out) == [rec(5)]
     assert request_key("r5") in w
+    w.close()
+
+
+def test_an_exit_requested_mid_line_waits_for_the_whole_line(tmp_path, monkeypatch):
+    """A signal delivered to another thread runs its Python handler in the main thread between two
+    bytecodes, possibly between the halves of a split write: the CLI's second-Ctrl-C exit is deferred."""
+    out = tmp_path / "out.jsonl"
+    w = opened(out)
+    real_write = os.write
+    events = []
+
+    def split_write(fd, data):
+        events.append("write")
+        if len(events) == 1:
+            outputs.exit_when_line_complete(130, lambda code: events.append(f"exit {code}"))
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(outputs.os, "write", split_write)
+    try:
+        w.write(rec(6))
+    finally:
+        monkeypatch.undo()
+        outputs._pending_exit = None
+    assert events == ["write", "write", "exit 130"]
+    assert lines(out) == [rec(6)]
     w.close()

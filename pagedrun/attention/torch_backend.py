@@ -8,17 +8,48 @@ then attention over each sequence's blocks, found through its block table.
   GQA (K/V are never repeated per query head). No Python loop over sequences.
 - Prefill tokens (query length > 1) go one sequence at a time through torch SDPA; with a cached
   prefix (context_lens > 0) the causal mask is shifted by the context length.
+
+On the CPU the fast path is the C++ kernel (kernels/cpu/paged_attention_cpu.cpp through
+pagedrun.attention.cpu_kernels, issue 8): one call per layer for every token of the step, reading K/V
+in place through the block tables with an online softmax, so no gather copies, masks or Python loop
+over prefills. The pure-torch path above stays as the fallback (no compiler, CUDA tensors, an
+unsupported dtype or layout) and as the reference the kernel is tested against;
+TorchAttentionBackend(use_cpu_kernel=False) forces it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pagedrun.attention import cpu_kernels
 from pagedrun.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+        """use_cpu_kernel: None (auto) = the C++ kernel for CPU tensors it supports, once it builds,
+        else torch; True = the same, but raise if the kernel cannot be built; False = torch only."""
+        self.use_cpu_kernel = use_cpu_kernel
+        # Why the C++ kernel is not (or was not, on the last call) used; None while it is.
+        self.cpu_kernel_error: str | None = "disabled (use_cpu_kernel=False)" if use_cpu_kernel is False else None
+        self.last_path: str | None = None  # "cpu_kernel" or "torch": what the last forward ran
+        self._kernels: cpu_kernels.CpuAttentionKernels | None = None
+        self._loaded = False
+
+    def cpu_kernels(self) -> cpu_kernels.CpuAttentionKernels | None:
+        """The loaded C++ kernel (built on first use), or None when it is off or unavailable."""
+        if self.use_cpu_kernel is False:
+            return None
+        if not self._loaded:
+            self._loaded = True
+            self._kernels = cpu_kernels.load()
+            if self._kernels is None:
+                self.cpu_kernel_error = cpu_kernels.load_error() or "unavailable"
+                if self.use_cpu_kernel:
+                    raise RuntimeError(f"the CPU attention kernel is unavailable: {self.cpu_kernel_error}")
+        return self._kernels
 
     def forward(
         self,
@@ -30,7 +61,56 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        kern = self._usable_kernel(query, key_cache, value_cache)
+        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernels=kern)
+        if kern is not None:
+            out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale)
+            if out is not None:
+                self.last_path = "cpu_kernel"
+                return out
+        self.last_path = "torch"
+        return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale)
+
+    def _usable_kernel(self, query, key_cache, value_cache) -> cpu_kernels.CpuAttentionKernels | None:
+        if self.use_cpu_kernel is False or query.device.type != "cpu":
+            return None
+        kern = self.cpu_kernels()
+        if kern is None:
+            return None
+        if not (query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in kern.dtypes):
+            self.cpu_kernel_error = f"dtype {query.dtype} / cache {key_cache.dtype} not supported by the kernel"
+            return None
+        if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
+            self.cpu_kernel_error = "query shape does not match the cache"
+            return None
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.shape[3] % 8:
+            self.cpu_kernel_error = "cache not contiguous or head size not a multiple of 8"
+            return None
+        return kern
+
+    def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale) -> torch.Tensor | None:
+        """Every token of the step in one kernel call; None if the kernel refused the arguments."""
+        head_size = query.shape[2]
+        if query.stride(2) != 1 or query.stride(1) != head_size:
+            query = query.contiguous()  # the kernel takes any token stride, not a head stride
+        out = torch.empty(query.shape, dtype=query.dtype)
+        tables, seq_lens = _int32(meta.block_tables), _int32(meta.seq_lens)
+        threads = torch.get_num_threads()
+        if meta.is_decode_only and meta.num_seqs == query.shape[0]:
+            rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads)
+        else:
+            rc = kern.varlen(out, query, key_cache, value_cache, tables, _int32(meta.query_start_loc), seq_lens,
+                             _int32(meta.context_lens), scale, threads)
+        if rc != 0:
+            # Inconsistent metadata or a block id outside the cache: let the torch path have it
+            # (it raises on what the kernel could only have crashed on).
+            self.cpu_kernel_error = f"the kernel refused this step's arguments (status {rc})"
+            return None
+        self.cpu_kernel_error = None
+        return out
+
+    def _attend_torch(self, query, key, value, key_cache, value_cache, meta, scale) -> torch.Tensor:
+        """The reference path: batched gather + SDPA for decodes, one SDPA per prefill."""
         num_tokens = query.shape[0]
         qlens = meta.query_lens_list
         if meta.is_decode_only and sum(qlens) == num_tokens:
@@ -109,8 +189,15 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kernels: cpu_kernels.CpuAttentionKernels | None = None,
 ) -> None:
-    """Scatter [T, kv_heads, hd] K/V into slot_mapping's slots; negative slots are skipped."""
+    """Scatter [T, kv_heads, hd] K/V into slot_mapping's slots; negative slots are skipped.
+
+    With `kernels` (CPU tensors) the C++ scatter does it in one call, straight from strided K/V
+    views; it checks every slot first and torch takes over if it refuses."""
+    if kernels is not None and _scatter_ok(key, value, key_cache, value_cache, slot_mapping):
+        if kernels.reshape_and_cache(key, value, key_cache, value_cache, _int64(slot_mapping)) == 0:
+            return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
@@ -121,6 +208,31 @@ def reshape_and_cache(
         slots, key, value = slots[keep], key[keep], value[keep]
     flat_k.index_copy_(0, slots, key.to(key_cache.dtype))
     flat_v.index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def _scatter_ok(key, value, key_cache, value_cache, slot_mapping) -> bool:
+    hd = key_cache.shape[3]
+    return (
+        key.dim() == value.dim() == 3
+        and key.shape[0] == value.shape[0] == slot_mapping.shape[0]
+        and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        and key.device.type == "cpu"
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and key.shape[1:] == value.shape[1:] == key_cache.shape[2:]
+        and key.stride(2) == value.stride(2) == 1
+        and key.stride(1) == value.stride(1) == hd
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() else (
+        t.to("cpu", torch.int32).contiguous())
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() else (
+        t.to("cpu", torch.int64).contiguous())
 
 
 def _gather_one(key_cache, value_cache, block_table, seq_len: int, block_size: int):

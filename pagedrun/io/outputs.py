@@ -24,7 +24,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
@@ -161,12 +161,16 @@ class OutputWriter:
 
     def write(self, record: dict, key: Key | None = None) -> None:
         """Append one record (key defaults to record_key(record))."""
+        global _writes_in_progress
         if self._fd is None:
             raise RuntimeError("OutputWriter.write before open()")
         key = key or record_key(record)
         line = _encode(record)
-        # Blocked, a signal waits until the whole line is in the file; its handler runs right after.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        # Blocked, a signal sent to this thread waits until the whole line is in the file. One sent to
+        # another thread (torch's workers) still runs its Python handler here, between two bytecodes:
+        # _writes_in_progress lets the handler defer its exit until the line is complete.
+        old = _block(_SIGNALS)
+        _writes_in_progress += 1
         try:
             view = memoryview(line)
             while view:
@@ -180,7 +184,11 @@ class OutputWriter:
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            _writes_in_progress -= 1
+            _unblock(old)
+            if _pending_exit is not None and not _writes_in_progress:
+                code, exit_now = _pending_exit
+                exit_now(code)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -213,6 +221,30 @@ class OutputWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
+
+
+_writes_in_progress = 0
+_pending_exit: tuple[int, Callable[[int], object]] | None = None
+
+
+def exit_when_line_complete(code: int, exit_now: Callable[[int], object] = os._exit) -> None:
+    """Exit at once, or, if a signal handler interrupted a line being written, right after it."""
+    global _pending_exit
+    if _writes_in_progress:
+        _pending_exit = (code, exit_now)
+    else:
+        exit_now(code)
+
+
+def _block(signals: set) -> object:
+    if hasattr(signal, "pthread_sigmask"):  # POSIX; elsewhere a line may be cut by Ctrl-C+Ctrl-C
+        return signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    return None
+
+
+def _unblock(previous: object) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _fsync_dir(directory: Path) -> None:

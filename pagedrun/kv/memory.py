@@ -79,6 +79,7 @@ class MemoryPlan:
     # sequences into float32 copies; with a full cache that is about 2 x 4/elem x KV / layers.
     # 0 when the backend reads the cache in place (the CUDA kernels).
     decode_gather_bytes: int = 0
+    swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     profile: MemoryProfile | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -130,7 +131,8 @@ class MemoryPlan:
             f"KV budget {fmt_bytes(self.kv_budget_bytes)} ({self.budget_source}) -> {blocks} x {self.block_size} "
             f"tokens = {self.token_capacity:,} tokens ({fmt_bytes(self.kv_cache_bytes)}, "
             f"{self.block_bytes / 1024:.1f} KiB/block); max concurrency at max_model_len={self.max_model_len}: "
-            f"{self.max_concurrency:.2f}x; swap {self.num_cpu_blocks:,} blocks"
+            f"{self.max_concurrency:.2f}x; "
+            + (f"swap {self.num_cpu_blocks:,} blocks" if self.swap_used else "no swap (preemption_mode recompute)")
             + (f"; decode gather est. {fmt_bytes(self.decode_gather_bytes)}" if self.decode_gather_bytes else ""))
         return lines + [f"warning: {w}" for w in self.warnings]
 
@@ -207,6 +209,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
             plan.capped_to_blocks = plan.num_gpu_blocks = cap
     # Swap space beyond the device cache's size can never be filled.
     plan.num_cpu_blocks = min(swap, plan.num_gpu_blocks)
+    plan.swap_used = uses_swap
     if gather_layers:
         plan.decode_gather_bytes = 2 * plan.kv_cache_bytes * 4 // elem_bytes // gather_layers
     _check_physical(plan, cuda, uses_swap, cache_cfg)
@@ -337,10 +340,17 @@ def mem_available_bytes() -> int:
 
 def _status() -> dict[str, int]:
     out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line[:5]] = int(line.split()[1]) * 1024
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line[:5]] = int(line.split()[1]) * 1024
+    except OSError:  # no /proc (macOS): only the lifetime peak exists, an upper bound for both
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        out = {"VmRSS": peak, "VmHWM": peak}
     return out
 
 

@@ -1,0 +1,166 @@
+"""The C++ paged-attention kernel for the CPU (kernels/cpu/paged_attention_cpu.cpp), through ctypes.
+
+The source is compiled on first use with the system C++ compiler into
+$PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
+in a temporary directory and published with an atomic rename, so concurrent processes never load a
+half-written library. The .so is built per machine (-mavx2 -mfma -mf16c only when this CPU has them).
+
+No torch extension machinery: the library takes raw data pointers and int64 sizes, so it builds in
+about a second and needs nothing but g++ (or $PAGEDRUN_CXX). When the compiler is missing or the
+build fails, `load()` returns None and `load_error()` says why; the torch backend then falls back to
+plain torch.
+
+PAGEDRUN_CPU_ATTENTION=0 turns the kernel off (benchmarks compare both paths with it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "paged_attention_cpu.cpp"
+LIB_NAME = "paged_attention_cpu.so"
+# -fno-trapping-math lets g++ if-convert the softmax's exp (no result changes, only FP-exception
+# assumptions); no -ffast-math: the reductions keep a fixed order.
+BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PAGEDRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedrun")
+    return Path(base) / "cpu_kernels"
+
+
+def compiler() -> str:
+    return os.environ.get("PAGEDRUN_CXX", "g++")
+
+
+def machine_flags(cpuinfo: str | None = None) -> list[str]:
+    """x86 SIMD flags this CPU supports (the .so never leaves the machine that built it)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    found = set(re.findall(r"\b(avx2|fma|f16c)\b", cpuinfo))
+    flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
+    if "f16c" in found:
+        flags.append("-mf16c")
+    return flags
+
+
+class CpuAttentionKernels:
+    """The loaded library. Methods return the kernel's status (0 = done, < 0 = arguments refused,
+    nothing written)."""
+
+    def __init__(self, so_path: Path) -> None:
+        self.so_path = so_path
+        lib = ctypes.CDLL(str(so_path))
+        lib.paged_attention_varlen.restype = _int
+        lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + [_f32, _int, _int]
+        lib.paged_attention_decode.restype = _int
+        lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + [_f32, _int, _int]
+        lib.paged_reshape_and_cache.restype = _int
+        lib.paged_reshape_and_cache.argtypes = [_ptr] * 5 + [_i64] * 6
+        lib.paged_attention_dtypes.restype = _int
+        mask = lib.paged_attention_dtypes()
+        self.dtypes = {dt for dt, code in DTYPE_CODES.items() if mask >> code & 1}
+        self._lib = lib
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> int:
+        """key/value [tokens, kv_heads, hd] with contiguous rows, caches contiguous and of the same
+        dtype, slot_mapping int64 contiguous."""
+        return self._lib.paged_reshape_and_cache(
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+            slot_mapping.shape[0], key_cache.shape[2] * key_cache.shape[3], key.stride(0), value.stride(0),
+            key_cache.shape[0] * key_cache.shape[1], key_cache.element_size(),
+        )
+
+    def varlen(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+               context_lens, scale: float, num_threads: int) -> int:
+        """All int tensors int32 and contiguous; query/out [tokens, heads, hd] with contiguous rows;
+        key/value caches contiguous, every tensor of the same dtype."""
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        return self._lib.paged_attention_varlen(
+            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr(),
+            seq_lens.shape[0], query.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
+            block_tables.shape[1], query.stride(0), out.stride(0),
+            scale, DTYPE_CODES[query.dtype], num_threads,
+        )
+
+    def decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale: float,
+               num_threads: int) -> int:
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        return self._lib.paged_attention_decode(
+            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
+            block_tables.shape[1], query.stride(0), out.stride(0),
+            scale, DTYPE_CODES[query.dtype], num_threads,
+        )
+
+
+_load_error: str | None = None
+
+
+def load_error() -> str | None:
+    """Why `load()` returned None (None when it has not failed)."""
+    return _load_error
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> CpuAttentionKernels | None:
+    """Build (once per machine and source) and load the kernel; None if that is impossible."""
+    global _load_error
+    if os.environ.get("PAGEDRUN_CPU_ATTENTION", "1").strip().lower() in ("0", "false", "no", "off"):
+        _load_error = "disabled by PAGEDRUN_CPU_ATTENTION"
+        return None
+    try:
+        return CpuAttentionKernels(build())
+    except Exception as e:  # no compiler, compile error, unloadable .so: torch will do
+        _load_error = f"{type(e).__name__}: {e}"
+        return None
+
+
+def build(source: Path = SOURCE) -> Path:
+    """Path of the compiled library, compiling it if this (source, flags, compiler) is new."""
+    code = source.read_bytes()
+    flags = BASE_FLAGS + machine_flags()
+    cxx = compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cxx.encode(), version.encode()])).hexdigest()
+    final = cache_root() / key[:32]
+    so = final / LIB_NAME
+    if so.is_file():
+        return so
+    cache_root().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
+    try:
+        src = work / source.name
+        src.write_bytes(code)
+        res = subprocess.run([cxx, *flags, str(src), "-o", str(work / LIB_NAME)], capture_output=True, text=True,
+                             cwd=work)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[-2000:]}")
+        try:
+            os.rename(work, final)  # atomic publish; a concurrent build of the same key may have won
+        except OSError:
+            if not so.is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return so

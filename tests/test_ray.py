@@ -1,0 +1,229 @@
+"""`pagedrun generate --ray`: data-parallel over a Ray cluster gives what a local run gives.
+
+One local Ray cluster (2 CPUs) is shared by the module; every Ray run starts 2 CPU replicas of a
+tiny random Llama. Greedy outputs must equal an in-process local run's, in input order, ids
+preserved; the report's totals must be the sums of its replicas'; a replica killed mid-run (an
+injected os._exit, as an OOM kill would) must still leave every request answered exactly once; a
+resumed job sends only what is missing. Tests that need no cluster (no Ray installed, driver-side
+validation, the replica's per-request isolation, the merge) run without one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedrun.cli import app
+from tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A tiny model, a prompts file and the token ids of a local greedy run (in-process)."""
+    import torch
+
+    from pagedrun.engine.llm import LLM
+    from pagedrun.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("ray")
+    model = make_tiny_model("llama", root / "model")
+    rng = random.Random(1)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(N):
+            ids = [rng.randrange(3, 640) for _ in range(rng.randrange(3, 12))]
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": MAX_TOKENS,
+                                "ignore_eos": True}) + "\n")
+    sets = [f"model.path={model}", "cache.num_blocks=64", "model.max_model_len=64", "model.threads=1"]
+    before = torch.get_num_threads()
+    llm = LLM(load_recipe(None, sets))
+    requests, invalid = llm.read_requests(prompts)
+    torch.set_num_threads(before)
+    assert not invalid
+    reference = {o.request_id: o.outputs[0].token_ids for o in llm.run(requests)}
+    return {"root": root, "prompts": prompts, "sets": sets, "reference": reference,
+            "ids": [f"r{i}" for i in range(N)], "recipe": llm.recipe}
+
+
+@pytest.fixture(scope="module")
+def cluster(job):
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    from pagedrun.distributed import FAULT_FILE_ENV
+
+    # Workers inherit the driver's environment: they must find pagedrun, keep torch on one thread,
+    # and see the crash hook's file (armed only by the test that wants a crash).
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS", FAULT_FILE_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[FAULT_FILE_ENV] = str(job["root"] / "crash-after-batches")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def generate(job, out: Path, *extra: str):
+    args = ["generate", str(job["prompts"]), "-o", str(out), "-q", *extra]
+    for s in job["sets"]:
+        args += ["--set", s]
+    return CliRunner().invoke(app, args)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def check_totals(report: dict) -> None:
+    reps = [r["report"] for r in report["replicas"]]
+    tot = report["total"]
+    for path in (("num_requests",), ("num_errors",), ("throughput", "prompt_tokens"),
+                 ("throughput", "output_tokens"), ("preemptions", "recompute"), ("prefix_cache", "hit_tokens"),
+                 ("blocks_in_use", "peak")):
+        got = tot
+        for k in path:
+            got = got[k]
+        want = 0
+        for r in reps:
+            v = r
+            for k in path:
+                v = v[k]
+            want += v
+        assert got == want, path
+
+
+# ---------------------------------------------------------------- on a Ray cluster
+
+@pytest.fixture(scope="module")
+def ray_run(job, cluster, tmp_path_factory):
+    """One uninterrupted --ray run (Ray runs cost seconds each: the tests share it)."""
+    out = tmp_path_factory.mktemp("ray_run") / "out.jsonl"
+    res = generate(job, out, "--ray", "--replicas", "2")
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_ray_run_equals_local_run(job, ray_run):
+    out = ray_run
+    recs = records(out)
+    assert [r["id"] for r in recs] == job["ids"]  # input order, ids preserved
+    assert {r["id"]: r["token_ids"] for r in recs} == job["reference"]
+    report = json.loads(out.with_name("out.report.json").read_text())
+    assert report["mode"] == "ray" and report["num_replicas"] == len(report["replicas"]) >= 1
+    check_totals(report)
+    assert report["total"]["num_requests"] == N
+    assert report["total"]["throughput"]["output_tokens"] == N * MAX_TOKENS
+    assert report["total"]["throughput"]["prompt_tokens"] == sum(r["prompt_tokens"] for r in recs)
+    for rep in report["replicas"]:
+        r = rep["report"]
+        # each replica's report is a local run's report of what that engine did
+        assert r["num_steps"] > 0 and r["kv_capacity"]["blocks"] == 64
+        assert r["blocks_in_use"]["peak"] > 0 and rep["device"] == "cpu"
+    # A second run of the same command: everything is done, nothing is sent to the cluster.
+    res = generate(job, out, "--ray", "--replicas", "2")
+    assert res.exit_code == 0, res.output
+    assert [r["id"] for r in records(out)] == job["ids"]
+
+
+def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path):
+    """Resume from a partial output, and one replica dies (os._exit) in its second batch: Ray
+    restarts it and retries the batch; every request ends up answered exactly once."""
+    from pagedrun.io.outputs import meta_path
+
+    full = ray_run
+    # An interrupted job: the first 5 requests are in the output.
+    out = tmp_path / "out.jsonl"
+    lines = full.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:5]))
+    meta_path(out).write_text(meta_path(full).read_text())
+
+    fault = job["root"] / "crash-after-batches"
+    fault.write_text("1")
+    try:
+        res = generate(job, out, "--ray", "--replicas", "2")
+        assert res.exit_code == 0, res.output
+        assert not fault.exists(), "no replica reached a second batch: the crash was not exercised"
+    finally:
+        fault.unlink(missing_ok=True)
+    recs = records(out)
+    assert [r["id"] for r in recs] == job["ids"]  # exactly once each, in input order
+    assert {r["id"]: r["token_ids"] for r in recs} == job["reference"]
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    check_totals(report)
+    assert report["total"]["num_requests"] == N - 5  # only the missing ones went to the cluster
+
+
+# ---------------------------------------------------------------- without a cluster
+
+def test_without_ray_one_line_error(job, tmp_path, monkeypatch):
+    for name in ("ray", "ray.data"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    res = generate(job, tmp_path / "out.jsonl", "--ray")
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'pagedrun[ray]'" in lines[0], res.output
+
+
+def test_invalid_requests_same_error_as_local(job, tmp_path):
+    pytest.importorskip("ray.data")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6]}) + "\n"
+                   + json.dumps({"id": "b", "prompt_token_ids": [5, 6], "temperature": -1}) + "\n")
+    errors = []
+    for extra in ((), ("--ray",)):
+        res = CliRunner().invoke(app, ["generate", str(bad), "-o", str(tmp_path / f"o{len(extra)}.jsonl"), "-q",
+                                       *sum((["--set", s] for s in job["sets"]), []), *extra])
+        assert res.exit_code == 2
+        errors.append(res.output.strip())
+    assert errors[0] == errors[1] and "bad.jsonl:2: temperature" in errors[0]
+
+
+def _batch(requests):
+    import numpy as np
+
+    return {"index": np.arange(len(requests)), "id": np.array([r.id for r in requests], dtype=object),
+            "prompt_token_ids": np.array([np.array(r.prompt_token_ids) for r in requests] + [None],
+                                         dtype=object)[:-1],
+            "sampling": np.array([json.dumps(r.sampling.to_dict()) for r in requests], dtype=object)}
+
+
+def test_replica_isolates_a_failing_request(job, monkeypatch):
+    """A request whose run raises (every time) becomes an error record; the rest of its batch is
+    answered as usual, and the replica's counters are kept."""
+    import pickle
+
+    import torch
+
+    from pagedrun.distributed import POISON_ID_ENV, EngineReplica
+    from pagedrun.engine.llm import LLM
+
+    llm = LLM(job["recipe"])
+    requests, _ = llm.read_requests(job["prompts"])
+    batch = requests[:4]
+    monkeypatch.setenv(POISON_ID_ENV, batch[2].id)
+    before = torch.get_num_threads()
+    try:
+        replica = EngineReplica(job["recipe"])
+        out = replica(_batch(batch))
+    finally:
+        torch.set_num_threads(before)
+    outs = [pickle.loads(b) for b in out["output"]]
+    assert [o.request_id for o in outs] == [r.id for r in batch]
+    assert "injected failure" in outs[2].error and outs[2].outputs == []
+    for o in outs[:2] + outs[3:]:
+        assert o.error is None and o.outputs[0].token_ids == job["reference"][o.request_id]
+    stats = [pickle.loads(s) for s in out["stats"] if s]
+    assert len(stats) == 1 and stats[0]["steps"] and stats[0]["replica"] == out["replica"][0]
