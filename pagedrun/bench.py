@@ -38,12 +38,14 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # ---- entry point ------------------------------------------------------------------------------------
 def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None, dtype: str, engines: list[str],
               overrides: list[str], console: Console, isolate: bool = True, threads: int | None = None,
-              static_batch_sizes: list[int] | None = None, continuous_max_requests: list[int] | None = None) -> int:
+              static_batch_sizes: list[int] | str | None = None, continuous_max_requests: list[int] | None = None) -> int:
     import torch
 
     from pagedrun.recipe import load_recipe
 
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if isinstance(static_batch_sizes, str):
+        static_batch_sizes = parse_sizes(static_batch_sizes)
     engines = [e.strip() for e in engines if e.strip()]
     for e in engines:
         if e not in ENGINES:

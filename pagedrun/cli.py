@@ -125,7 +125,7 @@ def generate(
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Turn bad lines into error records."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of blocks in use over time."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report on the terminal."),
-    ray: bool = typer.Option(False, "--ray", help="Run data-parallel on a Ray cluster (pip install 'pagedrun[ray]')."),
+    ray: bool = typer.Option(False, "--ray", help="Run data-parallel on a Ray cluster (needs the ray extra)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address",
                                               help="Ray cluster to join: auto | ray://HOST:PORT (implies --ray)."),
     replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
@@ -171,11 +171,11 @@ def bench(
     debug: bool = DebugOpt,
 ) -> None:
     """Throughput and memory of pagedrun against HF transformers, measured side by side in one run."""
-    from pagedrun.bench import parse_sizes, run_bench
+    from pagedrun.bench import run_bench
 
     code = run_guarded(debug, run_bench, workload=workload, model=model, quick=quick, json_path=json_path,
                        dtype=dtype, engines=engines.split(","), overrides=set_ or [], console=console,
-                       static_batch_sizes=parse_sizes(batch_sizes))
+                       static_batch_sizes=batch_sizes)
     raise typer.Exit(code or 0)
 
 

@@ -330,13 +330,20 @@ def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid
         tokenizer, cfg, max_model_len = request_checker(recipe)
         requests, invalid = read_requests(prompts, tokenizer, recipe.sampling, vocab_size=cfg.vocab_size,
                                           max_model_len=max_model_len, skip_invalid=skip_invalid)
+    pending, order = _open(writer, requests, invalid, output=output, quiet=quiet, console=console)
+    if not pending:  # a finished job: no cluster is started or joined
+        writer.finalize(order)
+        if not quiet:
+            console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False,
+                          soft_wrap=True, markup=False)
+        return 0
     started = connect(address, quiet)
     try:
         n, resources, actor_recipe = actor_resources(recipe, replicas, ray.cluster_resources())
         if plot is not None and not quiet:
             console.print("--plot: not drawn with --ray (one plot per replica's cache would be needed); "
                           "the report has each replica's numbers", style="yellow", highlight=False, markup=False)
-        return _run(ray, requests, invalid, writer, recipe=recipe, actor_recipe=actor_recipe, replicas=n,
+        return _run(ray, pending, order, invalid, writer, recipe=recipe, actor_recipe=actor_recipe, replicas=n,
                     resources=resources, driver_s=time.perf_counter() - t_load, output=output, quiet=quiet,
                     console=console, stop=stop)
     finally:
@@ -344,17 +351,13 @@ def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid
             ray.shutdown()
 
 
-def _run(ray, requests, invalid, writer, *, recipe, actor_recipe, replicas: int, resources: dict, driver_s: float,
-         output: Path, quiet: bool, console: Console, stop) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    from pagedrun.engine.llm import invalid_record, output_record
-    from pagedrun.generate import print_summary
+def _open(writer, requests, invalid, *, output: Path, quiet: bool, console: Console):
+    """The same bookkeeping as a local run (generate._run_and_write): error records keyed by line,
+    requests by id; what the output already holds is not sent to the cluster again.
+    Returns (requests to run, every key in input order)."""
+    from pagedrun.engine.llm import invalid_record
     from pagedrun.io.outputs import invalid_key, request_key
 
-    # The same bookkeeping as a local run (generate._run_and_write): error records keyed by line,
-    # requests by id; what the output already holds is not sent to the cluster again.
     writer.open()
     if writer.discarded and not quiet:
         console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
@@ -369,12 +372,18 @@ def _run(ray, requests, invalid, writer, *, recipe, actor_recipe, replicas: int,
     if writer.resumed and not quiet:
         console.print(f"resuming {output}: {writer.resumed} requests already done, {len(pending)} to go",
                       highlight=False, soft_wrap=True, markup=False)
-    if not pending:
-        writer.finalize(order)
-        if not quiet:
-            console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False,
-                          soft_wrap=True, markup=False)
-        return 0
+    return pending, order
+
+
+def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas: int, resources: dict,
+         driver_s: float, output: Path, quiet: bool, console: Console, stop) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from pagedrun.engine.llm import output_record
+    from pagedrun.generate import print_summary
+    from pagedrun.io.outputs import request_key
+
     if not quiet:
         console.print(f"[bold]ray[/] {len(pending)} requests over {replicas} replica(s), "
                       f"{'1 GPU' if 'num_gpus' in resources else str(resources['num_cpus']) + ' CPU'} each",
@@ -467,6 +476,8 @@ def _pass(ray, requests, actor_recipe, replicas: int, resources: dict, batch_siz
     ctx = DataContext.get_current()
     names = ("enable_progress_bars", "max_errored_blocks", "print_on_execution_start", "wait_for_min_actors_s")
     saved = {k: getattr(ctx, k) for k in names}
+    # One batch in flight per replica (above): a replica takes the next batch when it is done with
+    # one, so a slower replica does not sit on a queue of batches while the others idle at the end.
     # Ours is the progress bar; a batch that exhausted its retries is dropped, not fatal (see _run);
     # no batch is handed out before every replica has loaded its model, or the first one up would
     # queue the first batches of all (a generous limit: a large model loads from network storage).
@@ -478,7 +489,7 @@ def _pass(ray, requests, actor_recipe, replicas: int, resources: dict, batch_siz
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             ds = ds.map_batches(
                 EngineReplica, fn_constructor_kwargs={"recipe": actor_recipe}, batch_size=batch_size,
-                batch_format="numpy", compute=ActorPoolStrategy(size=min(replicas, len(rows))),
+                batch_format="numpy", compute=ActorPoolStrategy(size=min(replicas, len(rows)), max_tasks_in_flight_per_actor=1),
                 **resources, **_retry_args(ds.map_batches),
             )
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
@@ -580,22 +591,23 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
 def print_replicas(console: Console, report: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"{report['num_replicas']} replica(s)", box=None)
-    for col in ("replica", "node", "device", "batches", "requests", "prompt tok", "output tok", "wall s",
-                "peak blocks", "preempt", "prefix hit"):
-        t.add_column(col, justify="right" if col not in ("replica", "node", "device") else "left")
+    devices = sorted({r["device"] for r in report["replicas"]})
+    t = Table(title=f"{report['num_replicas']} replica(s) on {', '.join(devices) or '-'}", box=None, pad_edge=False)
+    # Narrow enough for 80 columns; the report has every number in full.
+    for col in ("replica", "node", "batch", "reqs", "prompt", "output", "wall s", "peak blk", "pre", "hit%"):
+        t.add_column(col, justify="right" if col not in ("replica", "node") else "left", no_wrap=True)
 
-    def row(name, node, device, batches, r):
+    def row(name, node, batches, r):
         th, pc = r["throughput"], r["prefix_cache"]
         peak = r["blocks_in_use"]["peak"]
         cap = r["kv_capacity"]["blocks"]
-        return (name, node, device, str(batches), str(r["num_requests"]), f"{th['prompt_tokens']:,}",
+        return (name, node, str(batches), str(r["num_requests"]), f"{th['prompt_tokens']:,}",
                 f"{th['output_tokens']:,}", f"{th['wall_s']:.2f}", f"{peak:,}/{cap:,}",
                 str(r["preemptions"]["recompute"] + r["preemptions"]["swap"]),
-                f"{pc['hit_rate']:.1%}" if pc["hit_rate"] is not None else "-")
+                f"{pc['hit_rate']:.0%}" if pc["hit_rate"] is not None else "-")
 
     for rep in report["replicas"]:
-        t.add_row(*row(rep["replica"], rep["node"], rep["device"], rep["batches"], rep["report"]))
+        t.add_row(*row(rep["replica"], rep["node"][:8], rep["batches"], rep["report"]))
     tot = report["total"]
-    t.add_row(*row("total", "", "", sum(r["batches"] for r in report["replicas"]), tot))
+    t.add_row(*row("total", "", sum(r["batches"] for r in report["replicas"]), tot))
     console.print(t)

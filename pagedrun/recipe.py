@@ -114,10 +114,12 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
-        `output` is left out: how often we fsync, or whether a report is written, changes no token.
+        `output` and `distributed` are left out: how often we fsync, whether a report is written, or
+        how many replicas share the work changes no token.
         """
         d = self.to_dict()
         del d["output"]
+        del d["distributed"]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 

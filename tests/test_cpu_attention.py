@@ -176,6 +176,30 @@ def test_long_prefill_spans_several_tiles(kern, heads, kv_heads):
     Case(seqs[:2], 64, heads, kv_heads, 16, seed=8).check()
 
 
+def test_large_growing_logits(kern):
+    """Scores spanning hundreds, growing along the sequence: every new key chunk raises the running
+    max, so a missed rescale overflows exp (inf/NaN) instead of cancelling out."""
+    case = Case([(0, 70), (90, 1), (33, 20)], 8, 4, 2, 64, seed=12)
+    scale = 1.0
+    for i, ctx in enumerate(case.context_lens):
+        seq_len = case.keys[i].shape[0]
+        ramp = torch.linspace(1.0, 8.0, seq_len)[:, None, None]
+        case.keys[i] = case.keys[i].abs() * ramp
+        case.queries[i] = case.queries[i].abs() * 0.5
+    case.scale = scale
+    # Rebuild the cache and this step's inputs from the edited tensors (same slots as before).
+    flat_k = case.key_cache.view(-1, 2, 64)
+    new_k, new_q = [], []
+    table_rows = case.meta.block_tables.tolist()
+    for i, ctx in enumerate(case.context_lens):
+        for pos in range(ctx):
+            flat_k[table_rows[i][pos // 8] * 8 + pos % 8] = case.keys[i][pos]
+        new_k.append(case.keys[i][ctx:]), new_q.append(case.queries[i])
+    case.key, case.query = torch.cat(new_k), torch.cat(new_q)
+    out = case.check(atol=1e-4)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("head_dim", [8, 256])
 def test_head_size_extremes(kern, head_dim):
     Case([(0, 20), (11, 1), (5, 7)], 16, 8, 2, head_dim, seed=head_dim).check()

@@ -116,6 +116,7 @@ def ray_run(job, cluster, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_ray_run_equals_local_run(job, ray_run):
     out = ray_run
     recs = records(out)
@@ -138,6 +139,7 @@ def test_ray_run_equals_local_run(job, ray_run):
     assert [r["id"] for r in records(out)] == job["ids"]
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path):
     """Resume from a partial output, and one replica dies (os._exit) in its second batch: Ray
     restarts it and retries the batch; every request ends up answered exactly once."""
@@ -227,3 +229,33 @@ def test_replica_isolates_a_failing_request(job, monkeypatch):
         assert o.error is None and o.outputs[0].token_ids == job["reference"][o.request_id]
     stats = [pickle.loads(s) for s in out["stats"] if s]
     assert len(stats) == 1 and stats[0]["steps"] and stats[0]["replica"] == out["replica"][0]
+
+
+def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error(tmp_path):
+    """An engine that cannot be built (here: a KV budget too small for max_model_len) is reported by
+    the replica's batches, not raised (Ray Data would count it as one failed batch and go on); the
+    driver raises it as the one-line error a local run gives."""
+    import pickle
+
+    import torch
+
+    from pagedrun.distributed import EngineReplica
+    from pagedrun.engine.llm import LLM
+    from pagedrun.errors import PagedrunError
+    from pagedrun.recipe import load_recipe
+    from pagedrun.sampling_params import SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "model", num_hidden_layers=12, max_position_embeddings=4096)
+    recipe = load_recipe(None, [f"model.path={model}", "model.max_model_len=4096", "cache.kv_cache_memory=1MiB",
+                                "model.threads=1"])
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(PagedrunError) as local:
+            LLM(recipe)
+        replica = EngineReplica(recipe)
+        req = type("R", (), {"id": "a", "prompt_token_ids": [5, 6, 7], "sampling": SamplingParams(max_tokens=2)})
+        out = replica(_batch([req]))
+    finally:
+        torch.set_num_threads(before)
+    assert out["output"][0] == b""
+    assert pickle.loads(out["stats"][0]) == {"fatal": str(local.value)}

@@ -101,13 +101,168 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : scaled;
 }
 
-// Dot product with 8 independent partial sums: vectorises to one FMA per 8 elements without
-// reassociating (head_size is a multiple of 8), and sums in a fixed order (deterministic).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t d = 0; d < n; d += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[d + l] * b[d + l];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+// ---- SIMD through GCC vector extensions: 8 floats = one AVX register (two SSE registers in a
+// build without -mavx2), no intrinsics, so the same source builds anywhere g++ does. ----
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned access
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
+inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
+
+// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]
+inline v8f pair_sums(v8f a, v8f b) {
+  const v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+// Lane i of the result = sum of the 8 lanes of a[i] (a fixed order: results are deterministic).
+inline v8f horizontal_sums8(const v8f* a) {
+  return pair_sums(pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])),
+                   pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
+}
+
+inline float horizontal_sum(v8f a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8). Eight
+// keys at a time: eight independent FMA chains instead of one latency-bound chain per dot.
+inline void score_keys(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t n,
+                       int64_t hd, float* __restrict s) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    v8f a[8] = {};
+    const float* kc = k + c * kstride;
+    for (int64_t d = 0; d < hd; d += 8) {
+      const v8f qv = load8(q + d);
+      for (int j = 0; j < 8; ++j) a[j] += qv * load8(kc + j * kstride + d);
+    }
+    store8(s + c, horizontal_sums8(a));
+  }
+  for (; c < n; ++c) {
+    v8f a0 = {}, a1 = {};
+    const float* kc = k + c * kstride;
+    int64_t d = 0;
+    for (; d + 16 <= hd; d += 16) {
+      a0 += load8(q + d) * load8(kc + d);
+      a1 += load8(q + d + 8) * load8(kc + d + 8);
+    }
+    if (d < hd) a0 += load8(q + d) * load8(kc + d);
+    s[c] = horizontal_sum(a0 + a1);
+  }
+}
+
+// acc[0:8*NV] += sum_c p[c] * v_c[0:8*NV], the accumulators held in registers across the keys.
+template <int NV>
+inline void weighted_sum_block(float* __restrict acc, const float* __restrict p, const float* __restrict v,
+                               int64_t vstride, int64_t n) {
+  v8f a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = load8(acc + 8 * i);
+  for (int64_t c = 0; c < n; ++c) {
+    const v8f w = v8f{} + p[c];
+    const float* vc = v + c * vstride;
+    for (int i = 0; i < NV; ++i) a[i] += w * load8(vc + 8 * i);
+  }
+  for (int i = 0; i < NV; ++i) store8(acc + 8 * i, a[i]);
+}
+
+inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+  int64_t d = 0;
+  for (; d + 64 <= hd; d += 64) weighted_sum_block<8>(acc + d, p, v + d, vstride, n);
+  switch ((hd - d) / 8) {
+    case 7: weighted_sum_block<7>(acc + d, p, v + d, vstride, n); break;
+    case 6: weighted_sum_block<6>(acc + d, p, v + d, vstride, n); break;
+    case 5: weighted_sum_block<5>(acc + d, p, v + d, vstride, n); break;
+    case 4: weighted_sum_block<4>(acc + d, p, v + d, vstride, n); break;
+    case 3: weighted_sum_block<3>(acc + d, p, v + d, vstride, n); break;
+    case 2: weighted_sum_block<2>(acc + d, p, v + d, vstride, n); break;
+    case 1: weighted_sum_block<1>(acc + d, p, v + d, vstride, n); break;
+    default: break;
+  }
+}
+
+// Two query rows (heads of one GQA group) against the same keys: each K row loaded serves both,
+// four keys x two rows = eight FMA chains.
+inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
+                        int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb) {
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    v8f a[8] = {};
+    const float* kc = k + c * kstride;
+    for (int64_t d = 0; d < hd; d += 8) {
+      const v8f q0 = load8(qa + d), q1 = load8(qb + d);
+      for (int j = 0; j < 4; ++j) {
+        const v8f kv = load8(kc + j * kstride + d);
+        a[j] += q0 * kv;
+        a[4 + j] += q1 * kv;
+      }
+    }
+    const v8f r = horizontal_sums8(a);
+    for (int j = 0; j < 4; ++j) {
+      sa[c + j] = r[j];
+      sb[c + j] = r[4 + j];
+    }
+  }
+  if (c < n) {
+    score_keys(qa, k + c * kstride, kstride, n - c, hd, sa + c);
+    score_keys(qb, k + c * kstride, kstride, n - c, hd, sb + c);
+  }
+}
+
+template <int NV>
+inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
+                                const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
+  v8f a[NV], b[NV];
+  for (int i = 0; i < NV; ++i) {
+    a[i] = load8(acc_a + 8 * i);
+    b[i] = load8(acc_b + 8 * i);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    const v8f wa = v8f{} + pa[c], wb = v8f{} + pb[c];
+    const float* vc = v + c * vstride;
+    for (int i = 0; i < NV; ++i) {
+      const v8f vv = load8(vc + 8 * i);
+      a[i] += wa * vv;
+      b[i] += wb * vv;
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    store8(acc_a + 8 * i, a[i]);
+    store8(acc_b + 8 * i, b[i]);
+  }
+}
+
+// Both rows' accumulators += their weights times the same V rows (each V row loaded once).
+inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const float* v,
+                          int64_t vstride, int64_t n, int64_t hd) {
+  int64_t d = 0;
+  for (; d + 32 <= hd; d += 32) weighted_sum2_block<4>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
+  switch ((hd - d) / 8) {
+    case 3: weighted_sum2_block<3>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
+    case 2: weighted_sum2_block<2>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
+    case 1: weighted_sum2_block<1>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
+    default: break;
+  }
+}
+
+// Online-softmax step for one row over its scores s[0:n] of a chunk: raise the running max m (and
+// rescale the row's sum l and accumulator by exp(old - new)), then p = exp(s - m), l += sum(p).
+inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, float& m, float& l,
+                          float* __restrict acc, float* __restrict p) {
+  float cmax = s[0];
+  for (int64_t c = 1; c < n; ++c) cmax = s[c] > cmax ? s[c] : cmax;
+  if (cmax > m) {
+    const float f = exp_nonpos(m - cmax);  // 0 on the first chunk (m = -inf)
+    l *= f;
+    for (int64_t d = 0; d < hd; ++d) acc[d] *= f;
+    m = cmax;
+  }
+  const float mr = m;
+  for (int64_t c = 0; c < n; ++c) p[c] = exp_nonpos(s[c] - mr);
+  float sum = 0.0f;
+  for (int64_t c = 0; c < n; ++c) sum += p[c];
+  l += sum;
 }
 
 struct Shape {
@@ -117,9 +272,11 @@ struct Shape {
 };
 
 // One unit of work: tokens [tok0, tok0 + ntok) of a sequence whose first of them sits at
-// absolute position pos0 (= context_len + j0), for one kv head.
+// absolute position pos0 (= context_len + j0), for kv heads [kv0, kv1). Decode items take every kv
+// head, so a block's K/V are read as one contiguous stream; prefill tiles take one kv head, so more
+// query tokens share each K/V row while it is in L1.
 struct Item {
-  int64_t seq, tok0, ntok, pos0, kv_head;
+  int64_t seq, tok0, ntok, pos0, kv0, kv1;
   int64_t cost;
 };
 
@@ -131,7 +288,7 @@ struct Scratch {
     m.resize(rows);
     l.resize(rows);
     s.resize(rows * kKeysPerChunk);
-    p.resize(kKeysPerChunk);
+    p.resize(2 * kKeysPerChunk);
     k.resize(kKeysPerChunk * hd);
     v.resize(kKeysPerChunk * hd);
   }
@@ -141,7 +298,8 @@ template <typename T>
 void attend_item(const Item& it, T* out, const T* query, const T* key_cache, const T* value_cache,
                  const int32_t* block_tables, const Shape& sh, Scratch& sc) {
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
-  const int64_t rows = it.ntok * group;
+  const int64_t heads = (it.kv1 - it.kv0) * group, head0 = it.kv0 * group;  // query heads of the item
+  const int64_t rows = it.ntok * heads;
   const int64_t tok_stride = sh.num_kv_heads * hd;  // between consecutive cache slots
   const int32_t* table = block_tables + it.seq * sh.table_stride;
   float* __restrict qf = sc.q.data();
@@ -151,11 +309,11 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   float* __restrict s = sc.s.data();
   float* __restrict p = sc.p.data();
 
-  // Row r = t * group + g: token tok0 + t, query head kv_head * group + g; scale folded into q.
+  // Row r = t * heads + h: token tok0 + t, query head head0 + h; the scale is folded into q.
   for (int64_t t = 0; t < it.ntok; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = query + (it.tok0 + t) * sh.q_stride + (it.kv_head * group + g) * hd;
-      float* dst = qf + (t * group + g) * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = query + (it.tok0 + t) * sh.q_stride + (head0 + h) * hd;
+      float* dst = qf + (t * heads + h) * hd;
       for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]) * sh.scale;
     }
   std::fill(acc, acc + rows * hd, 0.0f);
@@ -163,69 +321,73 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   std::fill(l, l + rows, 0.0f);
 
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
+  const int64_t span_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(T);  // of one slot, contiguous
   for (int64_t p0 = 0; p0 < end;) {
     const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
     const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
-    const int64_t base = ((int64_t)table[blk] * sh.block_size + off) * tok_stride + it.kv_head * hd;
-    const float *kp, *vp;
-    int64_t kstride;
-    if constexpr (std::is_same<T, float>::value) {
-      kp = key_cache + base;
-      vp = value_cache + base;
-      kstride = tok_stride;
-    } else {
-      float* kb = sc.k.data();
-      float* vb = sc.v.data();
-      for (int64_t c = 0; c < n; ++c)
-        for (int64_t d = 0; d < hd; ++d) {
-          kb[c * hd + d] = to_f32(key_cache[base + c * tok_stride + d]);
-          vb[c * hd + d] = to_f32(value_cache[base + c * tok_stride + d]);
+    const int64_t slot0 = (int64_t)table[blk] * sh.block_size + off;
+    if (p0 + n < end) {
+      // The next chunk's rows sit in another block (somewhere else in memory): ask for them now.
+      const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
+      const int64_t nn = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
+      const int64_t nbase = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + it.kv0 * hd;
+      for (int64_t c = 0; c < nn; ++c)
+        for (int64_t b = 0; b < span_bytes; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + nbase + c * tok_stride) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + nbase + c * tok_stride) + b);
         }
-      kp = kb;
-      vp = vb;
-      kstride = hd;
     }
-    // Scores: each K row is loaded once for all rows of the tile that may see it.
-    for (int64_t c = 0; c < n; ++c) {
-      const float* krow = kp + c * kstride;
-      const int64_t pos = p0 + c;
-      // token t sees pos iff pos < pos0 + t + 1, i.e. t >= pos - pos0
-      const int64_t t_first = pos < it.pos0 ? 0 : pos - it.pos0;
-      for (int64_t r = t_first * group; r < rows; ++r) s[r * kKeysPerChunk + c] = dot(qf + r * hd, krow, hd);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = r / group;
-      const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);  // keys of this chunk row r sees
-      if (nr <= 0) continue;
-      const float* sr = s + r * kKeysPerChunk;
-      float cmax = sr[0];
-      for (int64_t c = 1; c < nr; ++c) cmax = sr[c] > cmax ? sr[c] : cmax;
-      float* ar = acc + r * hd;
-      if (cmax > m[r]) {
-        const float f = exp_nonpos(m[r] - cmax);  // 0 on the first chunk (m = -inf)
-        l[r] *= f;
-        for (int64_t d = 0; d < hd; ++d) ar[d] *= f;
-        m[r] = cmax;
+    for (int64_t kvh = it.kv0; kvh < it.kv1; ++kvh) {
+      const int64_t base = slot0 * tok_stride + kvh * hd;
+      const float *kp, *vp;
+      int64_t kstride;
+      if constexpr (std::is_same<T, float>::value) {
+        kp = key_cache + base;
+        vp = value_cache + base;
+        kstride = tok_stride;
+      } else {
+        float* kb = sc.k.data();
+        float* vb = sc.v.data();
+        for (int64_t c = 0; c < n; ++c)
+          for (int64_t d = 0; d < hd; ++d) {
+            kb[c * hd + d] = to_f32(key_cache[base + c * tok_stride + d]);
+            vb[c * hd + d] = to_f32(value_cache[base + c * tok_stride + d]);
+          }
+        kp = kb;
+        vp = vb;
+        kstride = hd;
       }
-      const float mr = m[r];
-      float sum = 0.0f;
-      for (int64_t c = 0; c < nr; ++c) p[c] = exp_nonpos(sr[c] - mr);
-      for (int64_t c = 0; c < nr; ++c) sum += p[c];
-      l[r] += sum;
-      for (int64_t c = 0; c < nr; ++c) {
-        const float w = p[c];
-        const float* vrow = vp + c * kstride;
-        for (int64_t d = 0; d < hd; ++d) ar[d] += w * vrow[d];
+      // The group's rows of token t see the same nr keys of this chunk; heads go in pairs.
+      for (int64_t t = 0; t < it.ntok; ++t) {
+        const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
+        if (nr <= 0) continue;
+        int64_t r = t * heads + (kvh - it.kv0) * group;
+        for (const int64_t r_end = r + group; r < r_end; r += 2) {
+          if (r + 1 < r_end) {
+            float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
+            float *aa = acc + r * hd, *ab = aa + hd;
+            score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb);
+            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+            softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
+            weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd);
+          } else {
+            float* sa = s + r * kKeysPerChunk;
+            float* aa = acc + r * hd;
+            score_keys(qf + r * hd, kp, kstride, nr, hd, sa);
+            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+            weighted_sum(aa, p, vp, kstride, nr, hd);
+          }
+        }
       }
     }
     p0 += n;
   }
 
   for (int64_t t = 0; t < it.ntok; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = t * group + g;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r = t * heads + h;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      T* dst = out + (it.tok0 + t) * sh.o_stride + (it.kv_head * group + g) * hd;
+      T* dst = out + (it.tok0 + t) * sh.o_stride + (head0 + h) * hd;
       const float* ar = acc + r * hd;
       for (int64_t d = 0; d < hd; ++d) dst[d] = from_f32<T>(ar[d] * inv);
     }
@@ -293,7 +455,7 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
       const int64_t nt = std::min(tile, qlen - j);
       max_rows = std::max(max_rows, nt * group);
       for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-        items.push_back(Item{i, q0 + j, nt, ctx + j, h, nt * (ctx + j + nt)});
+        items.push_back(Item{i, q0 + j, nt, ctx + j, h, h + 1, nt * (ctx + j + nt)});
     }
   }
   run_items<T>(items, out, query, static_cast<const T*>(key_cache_), static_cast<const T*>(value_cache_),
@@ -306,17 +468,16 @@ template <typename T>
 int decode(void* out_, const void* query_, const void* key_cache_, const void* value_cache_,
            const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, const Shape& sh,
            int num_threads) {
-  const int64_t group = sh.num_heads / sh.num_kv_heads;
   std::vector<Item> items;
-  items.reserve(num_seqs * sh.num_kv_heads);
+  items.reserve(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t len = seq_lens[i];
     if (len <= 0) return -6;
     if (!table_ok(block_tables + i * sh.table_stride, len, sh)) return -7;
-    for (int64_t h = 0; h < sh.num_kv_heads; ++h) items.push_back(Item{i, i, 1, len - 1, h, len});
+    items.push_back(Item{i, i, 1, len - 1, 0, sh.num_kv_heads, len});
   }
   run_items<T>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const T*>(key_cache_),
-               static_cast<const T*>(value_cache_), block_tables, sh, group, num_threads);
+               static_cast<const T*>(value_cache_), block_tables, sh, sh.num_heads, num_threads);
   return 0;
 }
 

@@ -30,7 +30,8 @@ SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "paged_attent
 LIB_NAME = "paged_attention_cpu.so"
 # -fno-trapping-math lets g++ if-convert the softmax's exp (no result changes, only FP-exception
 # assumptions); no -ffast-math: the reductions keep a fixed order.
-BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
+              "-Wno-psabi"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
