@@ -200,9 +200,10 @@ def test_large_growing_logits(kern):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("head_dim", [8, 256])
-def test_head_size_extremes(kern, head_dim):
-    Case([(0, 20), (11, 1), (5, 7)], 16, 8, 2, head_dim, seed=head_dim).check()
+@pytest.mark.parametrize("head_dim", [8, 24, 56, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2)])  # odd groups: a head left over after pairs
+def test_head_sizes_and_odd_groups(kern, head_dim, heads, kv_heads):
+    Case([(0, 20), (11, 1), (5, 7)], 16, heads, kv_heads, head_dim, seed=head_dim).check()
 
 
 def test_fused_qkv_views_and_writes(kern):
@@ -297,7 +298,7 @@ def test_torch_path_for_unsupported_inputs(kern):
     assert backend.last_path == "torch" and "dtype" in backend.cpu_kernel_error
     forced = TorchAttentionBackend(use_cpu_kernel=False)
     case.check(use_cpu_kernel=False)
-    assert forced.cpu_kernels() is None
+    assert forced.load_cpu_kernel() is None
 
 
 def test_load_reports_build_failure(monkeypatch, tmp_path):
@@ -337,3 +338,29 @@ def test_machine_flags():
     assert cpu_kernels.machine_flags("flags : fpu sse2 avx avx2 fma f16c") == ["-mavx2", "-mfma", "-mf16c"]
     assert cpu_kernels.machine_flags("flags : fpu sse2 avx f16c") == ["-mf16c"]
     assert cpu_kernels.machine_flags("flags : fpu sse2") == []
+
+
+def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):
+    """Whole engine, tiny llama (GQA), chunked prefill + prefix caching + decode in mixed steps:
+    the kernel path is the one taken and its greedy tokens equal the pure-torch path's."""
+    from pagedrun.engine.llm import LLM
+    from pagedrun.recipe import load_recipe
+    from tiny_models import make_tiny_model
+
+    d = make_tiny_model("llama", tmp_path / "m", seed=3)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 640) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, 640) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    prompts += [[rng.randrange(3, 640) for _ in range(n)] for n in (1, 17, 50)]
+    results = {}
+    for use_kernel in (True, False):
+        recipe = load_recipe(None, [f"model.path={d}", "sampling.max_tokens=6", "sampling.ignore_eos=true",
+                                    "cache.block_size=8", "cache.num_blocks=256",
+                                    "scheduler.max_num_batched_tokens=24"])
+        llm = LLM(recipe)
+        llm.engine.backend.use_cpu_kernel = use_kernel
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], None)
+        assert llm.engine.backend.last_path == ("cpu_kernel" if use_kernel else "torch")
+        assert sum(s.prefix_hit_tokens for s in llm.engine.steps) > 0
+        results[use_kernel] = [o.outputs[0].token_ids for o in outs]
+    assert results[True] == results[False]

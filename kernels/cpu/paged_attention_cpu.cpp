@@ -272,11 +272,9 @@ struct Shape {
 };
 
 // One unit of work: tokens [tok0, tok0 + ntok) of a sequence whose first of them sits at
-// absolute position pos0 (= context_len + j0), for kv heads [kv0, kv1). Decode items take every kv
-// head, so a block's K/V are read as one contiguous stream; prefill tiles take one kv head, so more
-// query tokens share each K/V row while it is in L1.
+// absolute position pos0 (= context_len + j0), for one kv head.
 struct Item {
-  int64_t seq, tok0, ntok, pos0, kv0, kv1;
+  int64_t seq, tok0, ntok, pos0, kv_head;
   int64_t cost;
 };
 
@@ -298,8 +296,7 @@ template <typename T>
 void attend_item(const Item& it, T* out, const T* query, const T* key_cache, const T* value_cache,
                  const int32_t* block_tables, const Shape& sh, Scratch& sc) {
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
-  const int64_t heads = (it.kv1 - it.kv0) * group, head0 = it.kv0 * group;  // query heads of the item
-  const int64_t rows = it.ntok * heads;
+  const int64_t rows = it.ntok * group;
   const int64_t tok_stride = sh.num_kv_heads * hd;  // between consecutive cache slots
   const int32_t* table = block_tables + it.seq * sh.table_stride;
   float* __restrict qf = sc.q.data();
@@ -309,11 +306,11 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   float* __restrict s = sc.s.data();
   float* __restrict p = sc.p.data();
 
-  // Row r = t * heads + h: token tok0 + t, query head head0 + h; the scale is folded into q.
+  // Row r = t * group + g: token tok0 + t, query head kv_head * group + g; scale folded into q.
   for (int64_t t = 0; t < it.ntok; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* src = query + (it.tok0 + t) * sh.q_stride + (head0 + h) * hd;
-      float* dst = qf + (t * heads + h) * hd;
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = query + (it.tok0 + t) * sh.q_stride + (it.kv_head * group + g) * hd;
+      float* dst = qf + (t * group + g) * hd;
       for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]) * sh.scale;
     }
   std::fill(acc, acc + rows * hd, 0.0f);
@@ -321,62 +318,59 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   std::fill(l, l + rows, 0.0f);
 
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
-  const int64_t span_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(T);  // of one slot, contiguous
   for (int64_t p0 = 0; p0 < end;) {
     const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
     const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
-    const int64_t slot0 = (int64_t)table[blk] * sh.block_size + off;
+    const int64_t base = ((int64_t)table[blk] * sh.block_size + off) * tok_stride + it.kv_head * hd;
     if (p0 + n < end) {
       // The next chunk's rows sit in another block (somewhere else in memory): ask for them now.
       const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
       const int64_t nn = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
-      const int64_t nbase = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + it.kv0 * hd;
+      const int64_t nbase = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + it.kv_head * hd;
+      const int64_t row_bytes = hd * (int64_t)sizeof(T);
       for (int64_t c = 0; c < nn; ++c)
-        for (int64_t b = 0; b < span_bytes; b += 64) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(key_cache + nbase + c * tok_stride) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(value_cache + nbase + c * tok_stride) + b);
         }
     }
-    for (int64_t kvh = it.kv0; kvh < it.kv1; ++kvh) {
-      const int64_t base = slot0 * tok_stride + kvh * hd;
-      const float *kp, *vp;
-      int64_t kstride;
-      if constexpr (std::is_same<T, float>::value) {
-        kp = key_cache + base;
-        vp = value_cache + base;
-        kstride = tok_stride;
-      } else {
-        float* kb = sc.k.data();
-        float* vb = sc.v.data();
-        for (int64_t c = 0; c < n; ++c)
-          for (int64_t d = 0; d < hd; ++d) {
-            kb[c * hd + d] = to_f32(key_cache[base + c * tok_stride + d]);
-            vb[c * hd + d] = to_f32(value_cache[base + c * tok_stride + d]);
-          }
-        kp = kb;
-        vp = vb;
-        kstride = hd;
-      }
-      // The group's rows of token t see the same nr keys of this chunk; heads go in pairs.
-      for (int64_t t = 0; t < it.ntok; ++t) {
-        const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
-        if (nr <= 0) continue;
-        int64_t r = t * heads + (kvh - it.kv0) * group;
-        for (const int64_t r_end = r + group; r < r_end; r += 2) {
-          if (r + 1 < r_end) {
-            float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
-            float *aa = acc + r * hd, *ab = aa + hd;
-            score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb);
-            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-            softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
-            weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd);
-          } else {
-            float* sa = s + r * kKeysPerChunk;
-            float* aa = acc + r * hd;
-            score_keys(qf + r * hd, kp, kstride, nr, hd, sa);
-            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-            weighted_sum(aa, p, vp, kstride, nr, hd);
-          }
+    const float *kp, *vp;
+    int64_t kstride;
+    if constexpr (std::is_same<T, float>::value) {
+      kp = key_cache + base;
+      vp = value_cache + base;
+      kstride = tok_stride;
+    } else {
+      float* kb = sc.k.data();
+      float* vb = sc.v.data();
+      for (int64_t c = 0; c < n; ++c)
+        for (int64_t d = 0; d < hd; ++d) {
+          kb[c * hd + d] = to_f32(key_cache[base + c * tok_stride + d]);
+          vb[c * hd + d] = to_f32(value_cache[base + c * tok_stride + d]);
+        }
+      kp = kb;
+      vp = vb;
+      kstride = hd;
+    }
+    // Row r = t * group + g; all rows of token t see the same keys of this chunk (nr of them).
+    for (int64_t t = 0; t < it.ntok; ++t) {
+      const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
+      if (nr <= 0) continue;
+      int64_t r = t * group;
+      for (const int64_t r_end = r + group; r < r_end; r += 2) {
+        if (r + 1 < r_end) {
+          float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
+          float *aa = acc + r * hd, *ab = aa + hd;
+          score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb);
+          softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+          softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
+          weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd);
+        } else {
+          float* sa = s + r * kKeysPerChunk;
+          float* aa = acc + r * hd;
+          score_keys(qf + r * hd, kp, kstride, nr, hd, sa);
+          softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+          weighted_sum(aa, p, vp, kstride, nr, hd);
         }
       }
     }
@@ -384,10 +378,10 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   }
 
   for (int64_t t = 0; t < it.ntok; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t r = t * heads + h;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      T* dst = out + (it.tok0 + t) * sh.o_stride + (head0 + h) * hd;
+      T* dst = out + (it.tok0 + t) * sh.o_stride + (it.kv_head * group + g) * hd;
       const float* ar = acc + r * hd;
       for (int64_t d = 0; d < hd; ++d) dst[d] = from_f32<T>(ar[d] * inv);
     }
@@ -455,7 +449,7 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
       const int64_t nt = std::min(tile, qlen - j);
       max_rows = std::max(max_rows, nt * group);
       for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-        items.push_back(Item{i, q0 + j, nt, ctx + j, h, h + 1, nt * (ctx + j + nt)});
+        items.push_back(Item{i, q0 + j, nt, ctx + j, h, nt * (ctx + j + nt)});
     }
   }
   run_items<T>(items, out, query, static_cast<const T*>(key_cache_), static_cast<const T*>(value_cache_),
@@ -468,16 +462,17 @@ template <typename T>
 int decode(void* out_, const void* query_, const void* key_cache_, const void* value_cache_,
            const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, const Shape& sh,
            int num_threads) {
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
   std::vector<Item> items;
-  items.reserve(num_seqs);
+  items.reserve(num_seqs * sh.num_kv_heads);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t len = seq_lens[i];
     if (len <= 0) return -6;
     if (!table_ok(block_tables + i * sh.table_stride, len, sh)) return -7;
-    items.push_back(Item{i, i, 1, len - 1, 0, sh.num_kv_heads, len});
+    for (int64_t h = 0; h < sh.num_kv_heads; ++h) items.push_back(Item{i, i, 1, len - 1, h, len});
   }
   run_items<T>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const T*>(key_cache_),
-               static_cast<const T*>(value_cache_), block_tables, sh, sh.num_heads, num_threads);
+               static_cast<const T*>(value_cache_), block_tables, sh, group, num_threads);
   return 0;
 }
 

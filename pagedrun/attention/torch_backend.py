@@ -38,7 +38,7 @@ class TorchAttentionBackend:
         self._kernels: cpu_kernels.CpuAttentionKernels | None = None
         self._loaded = False
 
-    def cpu_kernels(self) -> cpu_kernels.CpuAttentionKernels | None:
+    def load_cpu_kernel(self) -> cpu_kernels.CpuAttentionKernels | None:
         """The loaded C++ kernel (built on first use), or None when it is off or unavailable."""
         if self.use_cpu_kernel is False:
             return None
@@ -74,7 +74,7 @@ class TorchAttentionBackend:
     def _usable_kernel(self, query, key_cache, value_cache) -> cpu_kernels.CpuAttentionKernels | None:
         if self.use_cpu_kernel is False or query.device.type != "cpu":
             return None
-        kern = self.cpu_kernels()
+        kern = self.load_cpu_kernel()
         if kern is None:
             return None
         if not (query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in kern.dtypes):
