@@ -31,7 +31,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
     fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
     writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
-        # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/distributed.py).
+        # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/distributed/).
         from pagedrun.distributed import run_distributed
 
         stop.install()
@@ -64,12 +64,13 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         stop.restore()
 
 
-def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
-                   quiet: bool, console: Console, stop) -> int:
-    from pagedrun.engine.llm import invalid_record, output_record
+def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console: Console):
+    """Open the output of a run or a resumed one (also the Ray driver's): error records keyed by line,
+    requests by id; what the output already holds is not run again.
+    Returns (requests to run, every key in input order)."""
+    from pagedrun.engine.llm import invalid_record
     from pagedrun.io.outputs import invalid_key, request_key
 
-    engine = llm.engine
     writer.open()
     if writer.discarded and not quiet:
         console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
@@ -84,6 +85,15 @@ def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, out
     if writer.resumed and not quiet:
         console.print(f"resuming {output}: {writer.resumed} requests already done, {len(pending)} to go",
                       highlight=False, soft_wrap=True, markup=False)
+    return pending, order
+
+
+def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
+                   quiet: bool, console: Console, stop) -> int:
+    from pagedrun.engine.llm import output_record
+
+    engine = llm.engine
+    pending, order = open_output(writer, requests, invalid, output=output, quiet=quiet, console=console)
     if writer.resumed and not pending:
         # Nothing left to run: put the file in input order, keep the report of the run that did the work.
         writer.finalize(order)

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedrun.errors import PagedrunError
-from pagedrun.kv.memory import (KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit, rss_bytes)
+from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
+from pagedrun.kv.profiler import rss_bytes
 from pagedrun.recipe import load_recipe
 
 SCHEMA = "pagedrun.profile-memory/1"

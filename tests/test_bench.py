@@ -79,16 +79,16 @@ def _check_module():
 
 
 def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monkeypatch):
-    import pagedrun.bench as bench_mod
+    import pagedrun.bench_engines as engines_mod
 
-    real = bench_mod._run_hf_static
+    real = engines_mod._run_hf_static
 
     def corrupt(spec, requests):
         row = real(spec, requests)
         row["outputs"][1] = [t + 1 for t in row["outputs"][1]]
         return row
 
-    monkeypatch.setattr(bench_mod, "_run_hf_static", corrupt)
+    monkeypatch.setattr(engines_mod, "_run_hf_static", corrupt)
     code, res, _ = bench(model_dir, prompts, tmp_path, engines=("pagedrun", "hf-static"))
     assert code == 1
     assert res["outputs_match"] is False

@@ -1,4 +1,4 @@
-"""Memory profiling and KV sizing (pagedrun/kv/memory.py, `pagedrun profile-memory`).
+"""Memory profiling and KV sizing (pagedrun/kv/profiler.py, pagedrun/kv/memory.py, `pagedrun profile-memory`).
 
 - block bytes from config.json for every family and for the default model (23,040 B/token in fp16);
 - the CUDA arithmetic with the numbers a GPU would report injected, its failure messages, overrides;
@@ -20,9 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrun.kv.memory import (GiB, MiB, CpuReadings, CudaReadings, KVBudgetError, PeakRSS, cpu_profile,
-                                cuda_profile, model_block_bytes, plan_memory, profile_batch, request_blocks,
-                                requests_fit, rss_bytes)
+from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
+from pagedrun.kv.profiler import CpuReadings, CudaReadings, PeakRSS, cpu_profile, cuda_profile, profile_batch, rss_bytes
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import read_config
 from pagedrun.recipe import CacheConfig

@@ -58,7 +58,7 @@ def job(tmp_path_factory):
 def cluster(job):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    from pagedrun.distributed import FAULT_FILE_ENV
+    from pagedrun.distributed.replica import FAULT_FILE_ENV
 
     # Workers inherit the driver's environment: they must find pagedrun, keep torch on one thread,
     # and see the crash hook's file (armed only by the test that wants a crash).
@@ -209,7 +209,7 @@ def test_replica_isolates_a_failing_request(job, monkeypatch):
 
     import torch
 
-    from pagedrun.distributed import POISON_ID_ENV, EngineReplica
+    from pagedrun.distributed.replica import POISON_ID_ENV, EngineReplica
     from pagedrun.engine.llm import LLM
 
     llm = LLM(job["recipe"])
@@ -239,7 +239,7 @@ def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error
 
     import torch
 
-    from pagedrun.distributed import EngineReplica
+    from pagedrun.distributed.replica import EngineReplica
     from pagedrun.engine.llm import LLM
     from pagedrun.errors import PagedrunError
     from pagedrun.recipe import load_recipe
