@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -149,6 +150,7 @@ def build(source: Path = SOURCE) -> Path:
     if so.is_file():
         return so
     cache_root().mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds()
     work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
     try:
         src = work / source.name
@@ -165,3 +167,14 @@ def build(source: Path = SOURCE) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return so
+
+
+def _remove_stale_builds(max_age_s: float = 3600.0) -> None:
+    """Delete temporary build directories left behind by killed compiles."""
+    now = time.time()
+    for p in cache_root().glob("*.tmp.*"):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
