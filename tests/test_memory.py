@@ -275,7 +275,9 @@ def test_filled_cache_stays_within_budget(wide_model):
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert max(s.blocks_in_use for s in llm.engine.steps) == m.num_gpu_blocks  # filled
-    assert m.decode_gather_bytes == 2 * m.kv_cache_bytes // 4  # fp32, 4 layers
+    # The C++ CPU kernel reads K/V in place; only the pure-torch decode path copies them (fp32, 4 layers).
+    gathers = llm.engine.backend.load_cpu_kernel() is None
+    assert m.decode_gather_bytes == (2 * m.kv_cache_bytes // 4 if gathers else 0)
     assert run.peak <= m.profile.peak_in_use_bytes + m.decode_gather_bytes + m.kv_cache_bytes + TOLERANCE
     # Writing every block commits the cache's pages: the growth is real, not a bookkeeping number.
     assert rss_bytes() - start >= 0.9 * m.kv_cache_bytes

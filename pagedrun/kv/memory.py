@@ -302,5 +302,12 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     return plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
-                       gather_layers=model_cfg.num_hidden_layers if backend.name == "torch" else None,
+                       gather_layers=model_cfg.num_hidden_layers if _gathers_on_decode(backend, device) else None,
                        elem_bytes=dtype_bytes(dtype))
+
+
+def _gathers_on_decode(backend, device: torch.device) -> bool:
+    """The pure-torch decode path copies each layer's K/V; the C++ CPU kernel reads them in place."""
+    if backend.name != "torch":
+        return False
+    return not (device.type == "cpu" and backend.load_cpu_kernel() is not None)
