@@ -47,7 +47,6 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
     t_load = time.perf_counter()
     with console.status("loading model…", spinner="dots"):
         llm = LLM(recipe)
-    engine = llm.engine
     load_s = time.perf_counter() - t_load
     requests, invalid = llm.read_requests(prompts, skip_invalid=skip_invalid)
     if not quiet:

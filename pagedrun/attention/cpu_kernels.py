@@ -22,10 +22,11 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from pagedrun.build_cache import remove_stale_builds
 
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "paged_attention_cpu.cpp"
 LIB_NAME = "paged_attention_cpu.so"
@@ -150,7 +151,7 @@ def build(source: Path = SOURCE) -> Path:
     if so.is_file():
         return so
     cache_root().mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds()
+    remove_stale_builds(cache_root())
     work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
     try:
         src = work / source.name
@@ -169,12 +170,3 @@ def build(source: Path = SOURCE) -> Path:
     return so
 
 
-def _remove_stale_builds(max_age_s: float = 3600.0) -> None:
-    """Delete temporary build directories left behind by killed compiles."""
-    now = time.time()
-    for p in cache_root().glob("*.tmp.*"):
-        try:
-            if now - p.stat().st_mtime > max_age_s:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass

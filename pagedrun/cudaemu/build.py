@@ -15,11 +15,11 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pagedrun.build_cache import remove_stale_builds
 from pagedrun.cudaemu.errors import EmuError
 from pagedrun.cudaemu.source import FoundKernel, find_kernels, rewrite
 
@@ -167,7 +167,7 @@ def build(
         shutil.rmtree(final, ignore_errors=True)
 
     cache_root().mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds()
+    remove_stale_builds(cache_root())
     work = Path(tempfile.mkdtemp(prefix=f"{key}.tmp.", dir=cache_root()))
     try:
         meta = _compile(work, code, name_expressions, flags, filename)
@@ -184,17 +184,6 @@ def build(
     if "error" in meta:
         raise EmuError(meta["error"])
     return BuiltModule(final / "module.so", dict(meta["kernels"]), final)
-
-
-def _remove_stale_builds(max_age_s: float = 3600.0) -> None:
-    """Delete build directories left behind by killed compiles."""
-    now = time.time()
-    for p in cache_root().glob("*.tmp.*"):
-        try:
-            if now - p.stat().st_mtime > max_age_s:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _user_deps(preprocessed: str, work: Path, filename: str) -> dict[str, str]:
