@@ -290,7 +290,23 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _read_yaml(path: Path) -> Any:
+def _key_lines(text: str) -> dict[str, int]:
+    """1-based line of every `section` and `section.key` in the file, so errors can point at it."""
+    lines: dict[str, int] = {}
+    root = yaml.compose(text, Loader=_Loader)
+    if not isinstance(root, yaml.MappingNode):
+        return lines
+    for key_node, value_node in root.value:
+        section = str(key_node.value)
+        lines[section] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.MappingNode):
+            for sub_node, _ in value_node.value:
+                lines[f"{section}.{sub_node.value}"] = sub_node.start_mark.line + 1
+    return lines
+
+
+def _read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
+    """The parsed file and the line of each key in it."""
     name = path.name
     try:
         data = path.read_bytes()
@@ -306,7 +322,7 @@ def _read_yaml(path: Path) -> Any:
         line = data[: e.start].count(b"\n") + 1
         raise PagedrunError(f"{name}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x})") from None
     try:
-        return yaml.load(text, Loader=_Loader)
+        return yaml.load(text, Loader=_Loader), _key_lines(text)
     except _DuplicateKey as e:
         raise PagedrunError(f"{name}:{e.line}: {e.key}: duplicate key (first on line {e.first})") from None
     except yaml.MarkedYAMLError as e:
@@ -384,8 +400,11 @@ def _got(where: Callable[[str], str], value: Any) -> str:
     return "" if getattr(where, "is_override", False) else f", got {value!r}"
 
 
-def _file_where(name: str) -> Callable[[str], str]:
-    return lambda keypath: f"{name}: {keypath}"
+def _file_where(name: str, lines: dict[str, int]) -> Callable[[str], str]:
+    def where(keypath: str) -> str:
+        line = lines.get(keypath) or lines.get(keypath.split(".")[0])
+        return f"{name}:{line}: {keypath}" if line else f"{name}: {keypath}"
+    return where
 
 
 def _override_where(item: str, own_keypath: str) -> Callable[[str], str]:
@@ -400,13 +419,13 @@ def load_recipe(path: Path | None, overrides: Iterable[str] = ()) -> Recipe:
     builder = _Builder()
     if path is not None:
         path = Path(path)
-        raw = _read_yaml(path)
+        raw, lines = _read_yaml(path)
         if raw is None:
             raw = {}  # an empty recipe means all defaults
         if not isinstance(raw, dict):
             raise PagedrunError(f"{path.name}: must be a mapping of sections "
                                 f"({', '.join(_TOP_KEYS)}), got {type(raw).__name__}")
-        where = _file_where(path.name)
+        where = _file_where(path.name, lines)
         base = path.resolve().parent
         for key, value in raw.items():
             builder.set_top(key, value, where, base)

@@ -145,9 +145,9 @@ def test_skip_invalid_turns_every_line_error_into_a_record(run, tmp_path):
 # ---------------------------------------------------------------- recipe
 
 @pytest.mark.parametrize("text, expected", [
-    ("cache:\n  blok_size: 16\n", "recipe.yaml: cache.blok_size: unknown key (did you mean block_size?)"),
-    ("sampling:\n  temperature: warm\n", "recipe.yaml: sampling.temperature: must be a number"),
-    ("scheduler:\n  max_num_seqs: [4]\n", "recipe.yaml: scheduler.max_num_seqs: must be an integer >= 1, got [4]"),
+    ("cache:\n  blok_size: 16\n", "recipe.yaml:2: cache.blok_size: unknown key (did you mean block_size?)"),
+    ("sampling:\n  temperature: warm\n", "recipe.yaml:2: sampling.temperature: must be a number"),
+    ("scheduler:\n  max_num_seqs: [4]\n", "recipe.yaml:2: scheduler.max_num_seqs: must be an integer >= 1, got [4]"),
     ("cache: [1\n", "recipe.yaml:2:1: invalid YAML: "),
 ])
 def test_bad_recipe(run, tmp_path, text, expected):
@@ -208,7 +208,7 @@ def cli_process(tmp_path: Path, *extra: str, columns: int = 30) -> subprocess.Co
 def test_process_prints_one_unwrapped_line_without_traceback(tmp_path):
     done = cli_process(tmp_path)
     assert done.returncode == 2
-    assert done.stderr == "error: recipe.yaml: cache.blok_size: unknown key (did you mean block_size?)\n"
+    assert done.stderr == "error: recipe.yaml:2: cache.blok_size: unknown key (did you mean block_size?)\n"
     assert done.stdout == ""
 
 
@@ -216,4 +216,4 @@ def test_debug_shows_the_traceback(tmp_path):
     done = cli_process(tmp_path, "--debug")
     assert done.returncode != 0
     assert "Traceback (most recent call last)" in done.stderr
-    assert "PagedrunError: recipe.yaml: cache.blok_size: unknown key" in done.stderr
+    assert "PagedrunError: recipe.yaml:2: cache.blok_size: unknown key" in done.stderr

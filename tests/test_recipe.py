@@ -111,8 +111,11 @@ distributed: {address: auto, replicas: 2}
     ("distributed:\n  replicas: 0\n", "recipe.yaml: distributed.replicas: must be an integer >= 1 or null, got 0"),
     ("distributed:\n  address: ''\n", "recipe.yaml: distributed.address: must be a non-empty string or null, got ''"),
 ])
-def test_file_errors_name_file_and_key_path(tmp_path, text, expected):
-    assert error_of(write(tmp_path, text)) == expected
+def test_file_errors_name_file_line_and_key_path(tmp_path, text, expected):
+    # The message names the line of the offending key (found here by its name in the text).
+    keypath = expected.split(": ")[1]
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if t.strip().startswith(keypath.split(".")[-1] + ":"))
+    assert error_of(write(tmp_path, text)) == expected.replace("recipe.yaml: ", f"recipe.yaml:{line}: ", 1)
 
 
 @pytest.mark.parametrize("value,ok", [
@@ -126,7 +129,7 @@ def test_kv_cache_memory_forms(tmp_path, value, ok):
 @pytest.mark.parametrize("value", ["1", "0.0", "1.5", "lots", "0", "100KiB"])
 def test_kv_cache_memory_rejects(tmp_path, value):
     msg = error_of(write(tmp_path, f"cache:\n  kv_cache_memory: {value}\n"))
-    assert msg.startswith("recipe.yaml: cache.kv_cache_memory: must be a fraction 0 < x <= 1")
+    assert msg.startswith("recipe.yaml:2: cache.kv_cache_memory: must be a fraction 0 < x <= 1")
 
 
 def test_kv_cache_bytes():
@@ -175,7 +178,7 @@ def test_model_path_relative_to_recipe_dir(tmp_path, monkeypatch):
 
 def test_model_path_missing(tmp_path):
     msg = error_of(write(tmp_path, "model:\n  path: no/such/dir\n"))
-    assert msg.startswith("recipe.yaml: model.path: must be \"default\" or an existing model directory;")
+    assert msg.startswith("recipe.yaml:2: model.path: must be \"default\" or an existing model directory;")
     assert str(tmp_path / "no/such/dir") in msg
 
 
