@@ -287,7 +287,6 @@ class LLMEngine:
             num_sampled_tokens=num_sampled,
             blocks_in_use=self.kv.num_used_gpu_blocks,
             blocks_cached_free=self.kv.num_cached_free_blocks,
-            tokens_stored=self._tokens_stored(),
             num_running=sch.num_running_seqs,
             num_waiting=sum(len(g.unfinished_seqs()) for g in sch.waiting),
             num_swapped=sum(len(g.unfinished_seqs()) for g in sch.swapped),
@@ -304,40 +303,33 @@ class LLMEngine:
         ))
 
     def _occupancy(self) -> dict:
-        """Tokens assigned to slots and tokens held per sequence, and the contiguous reservation that
-        the same running sequences would need (the report's what-if; computed, not allocated)."""
+        """One pass over the running block tables, each distinct block counted once (forked children
+        and prefix hits share blocks): slots holding computed KV, slots assigned to tokens, tokens held
+        per sequence, and the contiguous reservation the same sequences would need (the report's
+        what-if; computed, not allocated)."""
         bs = self.kv.block_size
+        stored: dict[int, int] = {}
         assigned: dict[int, int] = {}
         logical = reserved = 0
         for g in self.scheduler.running:
             want = min(g.prompt_len + g.sampling.max_tokens, self.max_model_len)
             for seq in g.unfinished_seqs():
-                logical += seq.num_computed_tokens
+                computed = seq.num_computed_tokens
+                slots = self.kv.get_num_tokens(seq.seq_id)
+                logical += computed
                 reserved += want
-                n = self.kv.get_num_tokens(seq.seq_id)
                 for i, b in enumerate(self.kv.get_block_table(seq.seq_id)):
-                    f = min(bs, n - i * bs)
-                    if f <= 0:
+                    a = min(bs, slots - i * bs)
+                    if a <= 0:
                         break
-                    if f > assigned.get(b, 0):
-                        assigned[b] = f
-        return {"tokens_assigned": sum(assigned.values()), "tokens_logical": logical,
-                "reserved_contiguous_tokens": reserved, "num_running_requests": len(self.scheduler.running)}
-
-    def _tokens_stored(self) -> int:
-        """Slots that hold computed KV, counted once per distinct block (forked children share)."""
-        bs = self.kv.block_size
-        filled: dict[int, int] = {}
-        for g in self.scheduler.running:
-            for seq in g.unfinished_seqs():
-                n = seq.num_computed_tokens
-                for i, b in enumerate(self.kv.get_block_table(seq.seq_id)):
-                    f = min(bs, n - i * bs)
-                    if f <= 0:
-                        break
-                    if f > filled.get(b, 0):
-                        filled[b] = f
-        return sum(filled.values())
+                    if a > assigned.get(b, 0):
+                        assigned[b] = a
+                    c = min(bs, computed - i * bs)
+                    if c > stored.get(b, 0):
+                        stored[b] = c
+        return {"tokens_stored": sum(stored.values()), "tokens_assigned": sum(assigned.values()),
+                "tokens_logical": logical, "reserved_contiguous_tokens": reserved,
+                "num_running_requests": len(self.scheduler.running)}
 
 
 def _round(x: float) -> float:
