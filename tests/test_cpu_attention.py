@@ -91,26 +91,13 @@ class Case:
             query, key, value = (x.view(t, -1, head_dim) for x in qkv.split([q_size, kv_size, kv_size], dim=-1))
             assert not key.is_contiguous()
         self.query, self.key, self.value = query, key, value
-        qlens = [n for _, n in seqs]
-        seq_lens = [c + n for c, n in seqs]
-        width = max(len(t) for t in tables) + 1  # a spare column: tables are padded past their end
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            block_size=block_size,
-            query_lens_list=qlens,
-            seq_lens_list=seq_lens,
-        )
+        # A spare column: tables are padded past their end.
+        self.meta = AttentionMetadata.build([n for _, n in seqs], [c for c, _ in seqs], tables, block_size,
+                                            num_pad_tokens=num_pad_tokens,
+                                            table_width=max(len(t) for t in tables) + 1)
+        assert self.meta.slot_mapping.tolist() == slots
         self.context_lens = [c for c, _ in seqs]
-        self.num_real = starts[-1]
+        self.num_real = sum(n for _, n in seqs)
         self.scale = head_dim**-0.5
 
     def run(self, use_cpu_kernel=True):

@@ -471,21 +471,9 @@ def build_step(spec: StepSpec, dtype: torch.dtype, head_size: int, block_size: i
     query = (1.5 * torch.randn((T, num_heads, head_size), generator=g)).to(dtype)
     key = torch.cat(new_k + [torch.randn((pad_tokens, num_kv_heads, head_size), generator=g).to(dtype)])
     value = torch.cat(new_v + [torch.randn((pad_tokens, num_kv_heads, head_size), generator=g).to(dtype)])
-    qsl = [0]
-    for q in spec.query_lens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(spec.context_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(spec.query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_list=list(spec.query_lens),
-        seq_lens_list=seq_lens,
-    )
+    meta = AttentionMetadata.build(list(spec.query_lens), list(spec.context_lens), block_tables.tolist(), block_size,
+                                   num_pad_tokens=pad_tokens, table_width=block_tables.shape[1])
+    assert meta.slot_mapping.tolist() == slots + [-1] * pad_tokens
     return query, key, value, key_cache, value_cache, meta, full_k, full_v
 
 

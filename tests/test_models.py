@@ -64,22 +64,9 @@ class PagedRunner:
             seq_lens.append(ctx + len(tokens))
             tables.append(table)
             self.cached[seq] = ctx + len(tokens)
-        width = max(len(t) for t in tables)
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            context_lens=torch.tensor(ctxs, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
-            query_lens_list=qlens,
-            seq_lens_list=seq_lens,
-        )
+        meta = AttentionMetadata.build(qlens, ctxs, tables, self.block_size)
+        assert meta.slot_mapping.tolist() == slots
+        starts = meta.query_start_loc.tolist()
         hidden = self.model(
             torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta, self.backend
         )

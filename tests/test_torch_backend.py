@@ -82,21 +82,9 @@ class Case:
             new_k.append(randn(1, kv_heads, head_dim)), new_v.append(randn(1, kv_heads, head_dim))
             q_all.append(randn(1, heads, head_dim))
         self.query, self.key, self.value = torch.cat(q_all), torch.cat(new_k), torch.cat(new_v)
-        qlens = [n for _, n in seqs]
-        seq_lens = [c + n for c, n in seqs]
-        width = max(len(t) for t in tables)
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor([0] + list(_cumsum(qlens)), dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            block_size=block_size,
-            query_lens_list=qlens,
-            seq_lens_list=seq_lens,
-        )
+        self.meta = AttentionMetadata.build([n for _, n in seqs], [c for c, _ in seqs], tables, block_size,
+                                            num_pad_tokens=num_pad_tokens)
+        assert self.meta.slot_mapping.tolist() == slots  # the cache writes above used the same slots
         self.context_lens = [c for c, _ in seqs]
         self.scale = head_dim**-0.5
 
@@ -117,13 +105,6 @@ class Case:
             assert err < atol, f"seq {i} (ctx {self.context_lens[i]}, q {r.shape[0]}): max error {err}"
             start += r.shape[0]
         return out
-
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 GQA = [(4, 4), (4, 2), (8, 1)]  # ratios 1, 2, 8

@@ -41,6 +41,37 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
 
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, *, num_pad_tokens: int = 0, table_width: int | None = None,
+              device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Sequence i computes query_lens[i] tokens after context_lens[i] cached ones, through
+        block_tables[i]; num_pad_tokens trailing tokens get slot -1 (neither written nor read)."""
+        slots: list[int] = []
+        for q, c, table in zip(query_lens, context_lens, block_tables):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+        slots.extend([-1] * num_pad_tokens)
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        width = table_width or max(len(t) for t in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            query_lens_list=list(query_lens),
+            seq_lens_list=seq_lens,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)

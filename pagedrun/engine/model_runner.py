@@ -31,43 +31,15 @@ class ModelRunner:
         self.device = device
 
     def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
         for inp in inputs:
-            n = len(inp.token_ids)
             input_ids.extend(inp.token_ids)
-            pos = range(inp.start_pos, inp.start_pos + n)
-            positions.extend(pos)
-            table = inp.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_lens.append(n)
-            seq_lens.append(inp.start_pos + n)
-        max_blocks = max(len(inp.block_table) for inp in inputs)
-        tables = torch.zeros(len(inputs), max_blocks, dtype=torch.int32)
-        for i, inp in enumerate(inputs):
-            tables[i, : len(inp.block_table)] = torch.tensor(inp.block_table, dtype=torch.int32)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([s - q for s, q in zip(seq_lens, query_lens)], dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            positions.extend(range(inp.start_pos, inp.start_pos + len(inp.token_ids)))
+        meta = AttentionMetadata.build([len(inp.token_ids) for inp in inputs], [inp.start_pos for inp in inputs],
+                                       [inp.block_table for inp in inputs], self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta
 
     @torch.inference_mode()
