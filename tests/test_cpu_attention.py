@@ -8,6 +8,7 @@ read of any slot the sequence does not own, or of a padding token's K/V, poisons
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 
 import pytest
@@ -22,7 +23,10 @@ from pagedrun.attention.torch_backend import TorchAttentionBackend
 def kern():
     k = cpu_kernels.load()
     if k is None:
-        pytest.skip(f"CPU attention kernel unavailable: {cpu_kernels.load_error()}")
+        # No compiler is the one acceptable reason; a compiler that fails to build the kernel is a bug.
+        if shutil.which(cpu_kernels.compiler()) is None:
+            pytest.skip(f"CPU attention kernel unavailable: {cpu_kernels.load_error()}")
+        pytest.fail(f"the CPU attention kernel did not build: {cpu_kernels.load_error()}")
     return k
 
 

