@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedrun.cli import app
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 16
@@ -36,13 +35,7 @@ def job(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ray")
     model = make_tiny_model("llama", root / "model")
-    rng = random.Random(1)
-    prompts = root / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(N):
-            ids = [rng.randrange(3, 640) for _ in range(rng.randrange(3, 12))]
-            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": MAX_TOKENS,
-                                "ignore_eos": True}) + "\n")
+    prompts = write_token_prompts(root / "prompts.jsonl", N, id_prefix="r", max_tokens=MAX_TOKENS, seed=1)
     sets = [f"model.path={model}", "cache.num_blocks=64", "model.max_model_len=64", "model.threads=1"]
     before = torch.get_num_threads()
     llm = LLM(load_recipe(None, sets))

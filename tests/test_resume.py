@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedrun.cli import app
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_REQUESTS = 32
@@ -43,13 +43,7 @@ def job(tmp_path_factory, one_thread):
 
     root = tmp_path_factory.mktemp("resume")
     model = make_tiny_model("llama", root / "model")
-    rng = random.Random(0)
-    prompts = root / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(NUM_REQUESTS):
-            ids = [rng.randrange(3, 640) for _ in range(rng.randrange(3, 12))]
-            f.write(json.dumps({"id": f"q{i}", "prompt_token_ids": ids, "max_tokens": MAX_TOKENS,
-                                "ignore_eos": True}) + "\n")
+    prompts = write_token_prompts(root / "prompts.jsonl", NUM_REQUESTS, id_prefix="q", max_tokens=MAX_TOKENS, seed=0)
     sets = [f"model.path={model}", "cache.num_blocks=64", "model.max_model_len=64",
             "scheduler.max_num_batched_tokens=64",
             "scheduler.max_num_seqs=2"]  # few at a time: many steps, so signals land mid-run

@@ -95,3 +95,18 @@ def make_tiny_model(family: str, path: Path, seed: int = 0, **overrides: Any) ->
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def write_token_prompts(path: Path, n: int, *, id_prefix: str, max_tokens: int, seed: int,
+                        vocab_size: int = 640) -> Path:
+    """A prompts.jsonl of n prompt_token_ids requests (3..11 random ids each), greedy-ready (ignore_eos)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(3, 12))]
+            f.write(json.dumps({"id": f"{id_prefix}{i}", "prompt_token_ids": ids, "max_tokens": max_tokens,
+                                "ignore_eos": True}) + "\n")
+    return path
