@@ -54,6 +54,14 @@ def run(model_dir, prompts, *sets, sampling=None):
     recipe = load_recipe(None, [f"model.path={model_dir}", f"sampling.max_tokens={MAX_TOKENS}",
                                 "sampling.ignore_eos=true", *sets])
     llm = LLM(recipe)
+    engine_step = llm.engine.step
+
+    def checked_step():  # the scheduler's queue invariants hold after every step
+        finished = engine_step()
+        llm.engine.scheduler.check_invariants()
+        return finished
+
+    llm.engine.step = checked_step
     outs = llm.generate(prompts, sampling)
     kv = llm.engine.kv
     kv.check_invariants()

@@ -79,14 +79,48 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class GroupQueue:
+    """A FIFO of sequence groups that also knows how many unfinished sequences it holds.
+
+    A queued group runs nothing, so its count cannot change while it waits: the total is kept as
+    groups enter and leave, and the per-step record reads it without scanning a queue that, in a big
+    offline job, holds every pending request."""
+
+    def __init__(self) -> None:
+        self._groups: deque[SequenceGroup] = deque()
+        self.num_seqs = 0
+
+    def append(self, group: SequenceGroup) -> None:
+        self._groups.append(group)
+        self.num_seqs += len(group.unfinished_seqs())
+
+    def appendleft(self, group: SequenceGroup) -> None:
+        self._groups.appendleft(group)
+        self.num_seqs += len(group.unfinished_seqs())
+
+    def popleft(self) -> SequenceGroup:
+        group = self._groups.popleft()
+        self.num_seqs -= len(group.unfinished_seqs())
+        return group
+
+    def __getitem__(self, i: int) -> SequenceGroup:
+        return self._groups[i]
+
+    def __iter__(self):
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[SequenceGroup] = deque()
+        self.waiting = GroupQueue()
         self.running: list[SequenceGroup] = []  # admission order: index 0 is the oldest
-        self.swapped: deque[SequenceGroup] = deque()
+        self.swapped = GroupQueue()
 
     # ---- queue management -------------------------------------------------------------------
     def add_group(self, group: SequenceGroup) -> None:
@@ -269,7 +303,7 @@ class Scheduler:
                 if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                     self.kv.free(seq.seq_id)
                 seq.finish("abort")
-        self.running, self.swapped, self.waiting = [], deque(), deque()
+        self.running, self.swapped, self.waiting = [], GroupQueue(), GroupQueue()
         return groups
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -289,6 +323,10 @@ class Scheduler:
         return self._blocks_needed_alone(group) <= self.kv.num_gpu_blocks
 
     def check_invariants(self) -> None:
+        for name, queue in (("waiting", self.waiting), ("swapped", self.swapped)):
+            actual = sum(len(g.unfinished_seqs()) for g in queue)
+            if queue.num_seqs != actual:
+                raise AssertionError(f"{name} queue counts {queue.num_seqs} sequences, holds {actual}")
         seen: set[int] = set()
         for queue, status in ((self.running, SequenceStatus.RUNNING), (self.swapped, SequenceStatus.SWAPPED),
                               (self.waiting, SequenceStatus.WAITING)):
