@@ -6,6 +6,7 @@ one-token prompts and batched decodes; greedy tokens must equal HF generate toke
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -17,6 +18,7 @@ import torch
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
+from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import load_model, load_tokenizer
 from tiny_models import FAMILIES, make_tiny_model
@@ -133,13 +135,16 @@ _HF_CACHE: dict = {}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("block_size,shuffle", [(8, False), (4, True)])
-def test_greedy_matches_hf(tiny_dirs, family, block_size, shuffle):
+@pytest.mark.parametrize("block_size,shuffle,model_ops", [(8, False, "cpu-kernels"), (4, True, "cpu-kernels"),
+                                                           (8, False, "torch")])
+def test_greedy_matches_hf(tiny_dirs, family, block_size, shuffle, model_ops):
+    """model_ops: the C++ linear/norm/RoPE/SiLU kernels (the default on CPU) or their torch fallback."""
     model_dir = tiny_dirs[family]
     model, config = load_model(model_dir, torch.float32, "cpu")
     prompts = random_prompts(config.vocab_size, [11, 5, 1, 17], seed=len(family))
     max_new = 8
-    got, got_logits = paged_greedy(model, config, prompts, max_new, block_size, shuffle)
+    with contextlib.nullcontext() if model_ops == "cpu-kernels" else ops.torch_only():
+        got, got_logits = paged_greedy(model, config, prompts, max_new, block_size, shuffle)
     key = (family, tuple(map(tuple, prompts)), max_new)
     if key not in _HF_CACHE:  # both block layouts compare against one HF run
         _HF_CACHE[key] = hf_greedy(model_dir, prompts, max_new)

@@ -1,14 +1,8 @@
 """The C++ paged-attention kernel for the CPU (kernels/cpu/paged_attention_cpu.cpp), through ctypes.
 
-The source is compiled on first use with the system C++ compiler into
-$PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
-in a temporary directory and published with an atomic rename, so concurrent processes never load a
-half-written library. The .so is built per machine (-mavx2 -mfma -mf16c only when this CPU has them).
-
-No torch extension machinery: the library takes raw data pointers and int64 sizes, so it builds in
-about a second and needs nothing but g++ (or $PAGEDRUN_CXX). When the compiler is missing or the
-build fails, `load()` returns None and `load_error()` says why; the torch backend then falls back to
-plain torch.
+Built on first use by pagedrun.cpu_build (per machine, cached under $PAGEDRUN_CACHE/cpu_kernels/).
+When the compiler is missing or the build fails, `load()` returns None and `load_error()` says why;
+the torch backend then falls back to plain torch.
 
 PAGEDRUN_CPU_ATTENTION=0 turns the kernel off (benchmarks compare both paths with it).
 """
@@ -16,50 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pagedrun.build_cache import remove_stale_builds
+from pagedrun import cpu_build
+from pagedrun.cpu_build import compiler, machine_flags  # noqa: F401  (re-exported for the tests)
 
-SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "paged_attention_cpu.cpp"
-LIB_NAME = "paged_attention_cpu.so"
-# -fno-trapping-math lets g++ if-convert the softmax's exp (no result changes, only FP-exception
-# assumptions); no -ffast-math: the reductions keep a fixed order.
-BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
-              "-Wno-psabi"]
+SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-
-
-def cache_root() -> Path:
-    base = os.environ.get("PAGEDRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedrun")
-    return Path(base) / "cpu_kernels"
-
-
-def compiler() -> str:
-    return os.environ.get("PAGEDRUN_CXX", "g++")
-
-
-def machine_flags(cpuinfo: str | None = None) -> list[str]:
-    """x86 SIMD flags this CPU supports (the .so never leaves the machine that built it)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    found = set(re.findall(r"\b(avx2|fma|f16c)\b", cpuinfo))
-    flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
-    if "f16c" in found:
-        flags.append("-mf16c")
-    return flags
 
 
 class CpuAttentionKernels:
@@ -126,7 +87,7 @@ def load_error() -> str | None:
 def load() -> CpuAttentionKernels | None:
     """Build (once per machine and source) and load the kernel; None if that is impossible."""
     global _load_error
-    if os.environ.get("PAGEDRUN_CPU_ATTENTION", "1").strip().lower() in ("0", "false", "no", "off"):
+    if cpu_build.disabled("PAGEDRUN_CPU_ATTENTION"):
         _load_error = "disabled by PAGEDRUN_CPU_ATTENTION"
         return None
     try:
@@ -137,36 +98,4 @@ def load() -> CpuAttentionKernels | None:
 
 
 def build(source: Path = SOURCE) -> Path:
-    """Path of the compiled library, compiling it if this (source, flags, compiler) is new."""
-    code = source.read_bytes()
-    flags = BASE_FLAGS + machine_flags()
-    cxx = compiler()
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
-    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cxx.encode(), version.encode()])).hexdigest()
-    final = cache_root() / key[:32]
-    so = final / LIB_NAME
-    if so.is_file():
-        return so
-    cache_root().mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(cache_root())
-    work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
-    try:
-        src = work / source.name
-        src.write_bytes(code)
-        res = subprocess.run([cxx, *flags, str(src), "-o", str(work / LIB_NAME)], capture_output=True, text=True,
-                             cwd=work)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[-2000:]}")
-        try:
-            os.rename(work, final)  # atomic publish; a concurrent build of the same key may have won
-        except OSError:
-            if not so.is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return so
-
-
+    return cpu_build.build(source)

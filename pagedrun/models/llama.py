@@ -8,7 +8,9 @@ KV cache. Numerics follow transformers' op order (float32 RMSNorm variance, floa
 greedy decoding matches HF generate token for token in float32.
 
 q/k/v live in one Linear and gate/up in another: one GEMM instead of three (two) per layer, which is
-what matters on a CPU. load_weights() stitches the HF tensors into them.
+what matters on a CPU. load_weights() stitches the HF tensors into them. The residual add is fused
+into the next RMSNorm (vLLM's `norm(x, residual)` form). The arithmetic itself is in
+pagedrun.models.ops: C++ kernels for float32 on the CPU, torch everywhere else.
 """
 from __future__ import annotations
 
@@ -16,13 +18,20 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedrun.attention.backend import AttentionBackend
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
+from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through ops.linear (the decode-sized GEMM kernel on the CPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -31,12 +40,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Variance in float32 even for bf16/fp16 activations, then back: HF's exact order.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: h = x + residual, then (norm(h), h)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -75,15 +81,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, head_dim/2]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), written on halves: same float ops as HF.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return ops.rope(positions, q, k, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -95,10 +93,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -130,16 +128,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,9 +147,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, positions, h, rotary, kv_cache, meta, backend) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, residual, rotary, kv_cache, meta, backend):
+        """(h, residual) -> (h', residual'): the block's input is h + residual (just h in the first
+        layer), its output is the MLP's plus residual', added by the next layer's (or the final) norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, x, rotary, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -206,15 +210,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(positions, h, self.rotary_emb, kv_cache, meta, backend)
-        return self.model.norm(h)
+            h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta, backend)
+        return self.model.norm(h, residual)[0]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""

@@ -1,0 +1,255 @@
+// The model's own CPU ops, float32 (issue 8): a GEMM for the few-row products of decode steps, and
+// the elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
+//
+// Built and loaded like paged_attention_cpu.cpp (pagedrun/cpu_build.py: g++ -O3 -fopenmp -shared,
+// -mavx2 -mfma when the machine has them; ctypes, raw pointers, no torch headers). Every function
+// returns 0, or a negative status before writing anything when an argument is out of range; the
+// Python side (pagedrun/models/cpu_ops.py) then falls back to torch.
+//
+// Why a GEMM of our own: torch's CPU linear (MKL sgemm) packs the weight matrix on every call, which
+// is free when a prefill step brings thousands of rows but dominates when a decode step brings 1-64:
+// measured at 25-85 GFLOP/s there against ~150 for large products (docs/cpu-model-ops.md). This one
+// reads the weight [N, K] in place, row by row, as dot products: a tile of 3 rows of x times 4 rows of
+// W keeps 12 running sums in registers, so each W row loaded from memory serves 3 rows of x and each
+// x row (hot in L1/L2) serves 4 weight rows. The 8 lanes of a sum are added up in a fixed order:
+// results are deterministic and independent of the thread count.
+//
+// Numerics follow transformers' op order (built with -ffp-contract=off and no -ffast-math, so a*b+c
+// rounds twice, as torch's elementwise kernels do): RMSNorm multiplies x by 1/sqrt(mean(x^2) + eps)
+// and then by the weight; RoPE is x1*cos - x2*sin, x2*cos + x1*sin (bit-identical to torch's);
+// SiLU is x / (1 + exp(-x)). Only reduction orders (and exp, within 2 ulp) differ from torch's.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define PR_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned access
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
+inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
+
+// c + a * b with one rounding where the CPU has FMA (the GEMM's inner loop), two otherwise.
+inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return c + a * b;
+#endif
+}
+
+inline float horizontal_sum(v8f a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+// ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
+
+constexpr int kTileRows = 3;     // rows of x per tile
+constexpr int kTileCols = 4;     // rows of w (output columns) per tile
+constexpr int64_t kRowsInL2 = 256 * 1024;  // bytes of x rows kept hot while a chunk of W streams by
+
+// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]
+inline v8f pair_sums(v8f a, v8f b) {
+  const v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+// Lanes 0-3 of the result = the lane sums of a, b, c, d (the same order as horizontal_sum).
+inline v8f horizontal_sums4(v8f a, v8f b, v8f c, v8f d) {
+  const v8f q = pair_sums(pair_sums(a, b), pair_sums(c, d));  // [a0123 a4567 b0123 b4567 c.. d..]
+  return pair_sums(q, q);
+}
+
+// One MR x NR tile of out over the whole K: the K % 8 == 0 part in registers, the rest scalar.
+// With a prefetch pointer (weight rows further on), its NR rows are requested as this tile walks K:
+// the first tile of a column block is the one that pulls the block's weights in from memory, and
+// with few rows of x that stream, not the arithmetic, sets the pace (measured +5-17% at 4-32 rows).
+template <int MR, int NR>
+inline void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                      const float* __restrict bias, float* __restrict out, int64_t ldo,
+                      const float* prefetch = nullptr) {
+  v8f acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = v8f{};
+  const int64_t k8 = K / 8 * 8;
+  for (int64_t k = 0; k < k8; k += 8) {
+    if (prefetch && k % 16 == 0)
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(prefetch + j * K + k);
+    v8f wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const v8f xv = load8(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    // The lane sums go out with vector shuffles: spilling 12 accumulators to add them up one by
+    // one cost about a quarter of the tile's time at K = 512.
+    float s[NR];
+    if constexpr (NR == 4) {
+      const v8f r = horizontal_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      for (int j = 0; j < 4; ++j) s[j] = r[j];
+    } else {
+      for (int j = 0; j < NR; ++j) s[j] = horizontal_sum(acc[i][j]);
+    }
+    for (int64_t kk = k8; kk < K; ++kk)
+      for (int j = 0; j < NR; ++j) s[j] += x[i * ldx + kk] * w[j * K + kk];
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = bias ? s[j] + bias[j] : s[j];
+  }
+}
+
+// Rows [m0, m1) of x against weight rows [n0, n0 + NR): full tiles of kTileRows, then the rest.
+// The first tile prefetches the weight rows two column blocks ahead (`ahead`, null past the end).
+template <int NR>
+inline void gemm_cols(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* w, int64_t n0, int64_t K,
+                      const float* bias, float* out, int64_t ldo, const float* ahead) {
+  const float* wn = w + n0 * K;
+  const float* bn = bias ? bias + n0 : nullptr;
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows, ahead = nullptr)
+    gemm_tile<kTileRows, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
+  for (; m < m1; ++m, ahead = nullptr) gemm_tile<1, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
+}
+
+// ---- elementwise helpers ----
+
+// exp(x) for any float: Cephes' expf polynomial (about 1 ulp), 0 below -87.3, inf above 88.7,
+// written branch-free so g++ vectorises loops over it.
+inline float exp_f32(float x) {
+  const float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  const float z = xc * 1.44269504088896341f;
+  const float n = (z + 12582912.0f) - 12582912.0f;  // round to nearest (|z| < 2^22)
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  // 2^n as two factors, so n = 128 (x near 88.7) does not overflow the exponent field.
+  const int32_t n1 = int32_t(n) >> 1, n2 = int32_t(n) - n1;
+  uint32_t e1 = uint32_t(n1 + 127) << 23, e2 = uint32_t(n2 + 127) << 23;
+  float f1, f2;
+  std::memcpy(&f1, &e1, 4);
+  std::memcpy(&f2, &e2, 4);
+  const float scaled = y * f1 * f2;
+  return x < -87.3f ? 0.0f : (x > 88.7f ? INFINITY : scaled);
+}
+
+}  // namespace
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w[N, K]^T (+ bias [N] unless null).
+// Threads split the output columns; within a thread's columns, chunks of x rows that fit in L2 meet
+// every weight row of the chunk.
+PR_EXPORT int linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+                         int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return -1;
+  if (M == 0) return 0;
+  if (num_threads < 1) num_threads = 1;
+  // Column chunks: a few per thread so uneven N still splits evenly, each a multiple of the tile.
+  // Column chunks of 64 weight rows (or fewer, so every thread gets work when N is small); the static
+  // schedule hands each thread one contiguous run of them.
+  int64_t chunk = (N + num_threads - 1) / num_threads;
+  chunk = chunk < 64 ? (chunk + kTileCols - 1) / kTileCols * kTileCols : 64;
+  const int64_t num_chunks = (N + chunk - 1) / chunk;
+  int64_t row_chunk = kRowsInL2 / (K * int64_t(sizeof(float)));
+  row_chunk = row_chunk < kTileRows ? kTileRows : row_chunk / kTileRows * kTileRows;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n_begin = c * chunk, n_end = n_begin + chunk < N ? n_begin + chunk : N;
+    for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+      int64_t n = n_begin;
+      for (; n + kTileCols <= n_end; n += kTileCols) {
+        const int64_t next = n + 2 * kTileCols;
+        gemm_cols<kTileCols>(x, ldx, m0, m1, w, n, K, bias, out, ldo, next + kTileCols <= N ? w + next * K : nullptr);
+      }
+      for (; n < n_end; ++n) gemm_cols<1>(x, ldx, m0, m1, w, n, K, bias, out, ldo, nullptr);
+    }
+  }
+  return 0;
+}
+
+// RMSNorm of M rows of H: out = weight * (h * 1/sqrt(mean(h^2) + eps)), where h = x, or, with a
+// residual, h = x + residual, written back to residual first (the pre-norm block's "h = h + f(h)"
+// fused into the next norm, as vLLM does). Rows have strides ldx / ldr / ldo.
+PR_EXPORT int rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
+                           int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {
+  if (M < 0 || H <= 0 || ldx < H || ldo < H || (residual && ldr < H)) return -1;
+  if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    float* o = out + m * ldo;
+    const float* h = xr;
+    if (residual) {
+      float* r = residual + m * ldr;
+      for (int64_t i = 0; i < H; ++i) r[i] = xr[i] + r[i];
+      h = r;
+    }
+    v8f acc = {};
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) {
+      const v8f v = load8(h + i);
+      acc += v * v;
+    }
+    float ss = horizontal_sum(acc);
+    for (; i < H; ++i) ss += h[i] * h[i];
+    const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
+    for (i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
+  }
+  return 0;
+}
+
+// RoPE in place, "rotate half" layout: for each token t and head, with c = cos[pos[t]], s = sin[pos[t]]
+// (tables [max_pos, head_size / 2]): x1, x2 = halves; x1' = x1*c - x2*s, x2' = x2*c + x1*s.
+// x [T, num_heads, head_size] with token stride ldx and head stride head_size.
+PR_EXPORT int rope_f32(float* x, const int64_t* positions, const float* cos, const float* sin, int64_t T,
+                       int64_t num_heads, int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads) {
+  if (T < 0 || num_heads <= 0 || head_size <= 0 || head_size % 2 || ldx < num_heads * head_size) return -1;
+  for (int64_t t = 0; t < T; ++t)
+    if (positions[t] < 0 || positions[t] >= max_pos) return -2;
+  if (num_threads < 1) num_threads = 1;
+  const int64_t half = head_size / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_heads * head_size >= 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + positions[t] * half;
+    const float* s = sin + positions[t] * half;
+    for (int64_t hd = 0; hd < num_heads; ++hd) {
+      float* x1 = x + t * ldx + hd * head_size;
+      float* x2 = x1 + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+  }
+  return 0;
+}
+
+// out [M, I] = silu(gate) * up, where gate_up [M, 2I] (row stride ldg) holds gate then up.
+PR_EXPORT int silu_and_mul_f32(const float* gate_up, float* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo,
+                               int num_threads) {
+  if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I) return -1;
+  if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gate_up + m * ldg;
+    const float* u = g + I;
+    float* o = out + m * ldo;
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+  }
+  return 0;
+}

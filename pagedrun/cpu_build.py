@@ -1,0 +1,93 @@
+"""Build the C++ CPU kernels (kernels/cpu/*.cpp) into shared libraries loaded through ctypes.
+
+Each source is compiled on first use with the system C++ compiler into
+$PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
+in a temporary directory and published with an atomic rename, so concurrent processes never load a
+half-written library. The .so is built per machine (-mavx2 -mfma -mf16c only when this CPU has them).
+
+No torch extension machinery: the libraries take raw data pointers and int64 sizes, so each builds in
+about a second and needs nothing but g++ (or $PAGEDRUN_CXX).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pagedrun.build_cache import remove_stale_builds
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+# -fno-trapping-math lets g++ if-convert selects (no result changes, only FP-exception assumptions);
+# no -ffast-math: reductions keep a fixed order. g++ contracts a*b+c into FMAs in C++ by default (the
+# attention kernel's dot products rely on it); a source that must round like torch passes
+# -ffp-contract=off through build()'s extra_flags.
+BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
+              "-Wno-psabi"]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PAGEDRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedrun")
+    return Path(base) / "cpu_kernels"
+
+
+def compiler() -> str:
+    return os.environ.get("PAGEDRUN_CXX", "g++")
+
+
+def machine_flags(cpuinfo: str | None = None) -> list[str]:
+    """x86 SIMD flags this CPU supports (the .so never leaves the machine that built it)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    found = set(re.findall(r"\b(avx2|fma|f16c)\b", cpuinfo))
+    flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
+    if "f16c" in found:
+        flags.append("-mf16c")
+    return flags
+
+
+def disabled(env_var: str) -> bool:
+    """True when env_var says 0/false/no/off (benchmarks compare both paths with it)."""
+    return os.environ.get(env_var, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled library (<source stem>.so), compiling it if this (source, flags,
+    compiler) is new."""
+    code = source.read_bytes()
+    lib_name = source.stem + ".so"
+    flags = BASE_FLAGS + list(extra_flags) + machine_flags()
+    cxx = compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cxx.encode(), version.encode()])).hexdigest()
+    final = cache_root() / key[:32]
+    so = final / lib_name
+    if so.is_file():
+        return so
+    cache_root().mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(cache_root())
+    work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
+    try:
+        src = work / source.name
+        src.write_bytes(code)
+        res = subprocess.run([cxx, *flags, str(src), "-o", str(work / lib_name)], capture_output=True, text=True,
+                             cwd=work)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[-2000:]}")
+        try:
+            os.rename(work, final)  # atomic publish; a concurrent build of the same key may have won
+        except OSError:
+            if not so.is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return so

@@ -1,0 +1,187 @@
+"""The model's compute ops: linear, RMSNorm (with the residual add), RoPE, SiLU * up.
+
+Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.cpu_build, called
+through ctypes) when its inputs are float32 CPU tensors it supports, and plain torch otherwise (GPU
+tensors, bf16/fp16, odd strides, no compiler). Both paths follow transformers' op order; they differ
+only in reduction order, so greedy outputs match HF either way (tests/test_model_ops.py,
+tests/test_engine.py).
+
+Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill step
+but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150 (measured;
+docs/cpu-model-ops.md). `linear` sends at most SMALL_M rows to the kernel and larger products to torch.
+The elementwise ops replace chains of 3-14 torch passes over the activations with one.
+
+PAGEDRUN_CPU_MODEL_OPS=0 (or set_enabled(False)) turns the kernels off, for A/B comparisons.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from pagedrun import cpu_build
+
+SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
+# Rows up to which the kernel's GEMM beats torch's on this project's CPUs (measured: 1.3-2.5x faster
+# at 1-128 rows, about even at 256, slower beyond; benchmarks/linear_small_m.py).
+SMALL_M = 128
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_enabled = True
+_load_error: str | None = None
+
+
+class CpuModelOps:
+    """The loaded library; each method returns the kernel's status (0 = done, < 0 = refused)."""
+
+    def __init__(self, so_path) -> None:
+        lib = ctypes.CDLL(str(so_path))
+        lib.linear_f32.restype = _int
+        lib.linear_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
+        lib.rms_norm_f32.restype = _int
+        lib.rms_norm_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_f32, _int]
+        lib.rope_f32.restype = _int
+        lib.rope_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
+        lib.silu_and_mul_f32.restype = _int
+        lib.silu_and_mul_f32.argtypes = [_ptr] * 2 + [_i64] * 4 + [_int]
+        self.lib = lib
+
+
+def load_error() -> str | None:
+    """Why `load()` returned None (None when it has not failed)."""
+    return _load_error
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> CpuModelOps | None:
+    """Build (once per machine and source) and load the kernels; None if that is impossible."""
+    global _load_error
+    if cpu_build.disabled("PAGEDRUN_CPU_MODEL_OPS"):
+        _load_error = "disabled by PAGEDRUN_CPU_MODEL_OPS"
+        return None
+    try:
+        # No FMA contraction: the elementwise ops round like torch's (the GEMM asks for FMAs itself).
+        return CpuModelOps(cpu_build.build(SOURCE, extra_flags=("-ffp-contract=off",)))
+    except Exception as e:  # no compiler, compile error, unloadable .so: torch will do
+        _load_error = f"{type(e).__name__}: {e}"
+        return None
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+@contextmanager
+def torch_only():
+    """Run the ops in plain torch inside the block (the reference path of the tests)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
+    if not _enabled:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            return None
+    return load()
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D with contiguous rows: the layout every kernel takes (any row stride)."""
+    return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias): the kernel for M <= SMALL_M, torch above."""
+    kern = _kernels_for(x, weight) if 0 < x.shape[0] <= SMALL_M else None
+    if (kern is not None and _rows(x) and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype)
+        rc = kern.lib.linear_f32(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), m, n, k, x.stride(0), n, torch.get_num_threads())
+        if rc == 0:
+            return out
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * (h / sqrt(mean(h^2) + eps)) with h = x, or h = x + residual: then (normed, h), and
+    the kernel writes h into residual's memory (the residual stream is the caller's to update)."""
+    kern = _kernels_for(x, weight)
+    if (kern is not None and _rows(x) and weight.is_contiguous()
+            and (residual is None or (_rows(residual) and residual.dtype == x.dtype and residual.shape == x.shape))):
+        m, h = x.shape
+        out = torch.empty(m, h, dtype=x.dtype)
+        rc = kern.lib.rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                   out.data_ptr(), m, h, x.stride(0), 0 if residual is None else residual.stride(0),
+                                   h, eps, torch.get_num_threads())
+        if rc == 0:
+            return out if residual is None else (out, residual)
+    if residual is not None:
+        x = x + residual
+        return _rms_norm_torch(x, weight, eps), x
+    return _rms_norm_torch(x, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32 even for bf16/fp16 activations, then back: HF's exact order.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, heads, hd] and k [T, kv_heads, hd] by their tokens' positions ("rotate half"
+    layout; cos/sin tables [max_pos, hd/2] in float32). The kernel rotates q and k in place."""
+    kern = _kernels_for(q, k, cos, sin)
+    if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
+            and cos.is_contiguous() and sin.is_contiguous() and _heads_ok(q) and _heads_ok(k)):
+        threads = torch.get_num_threads()
+        ok = all(
+            kern.lib.rope_f32(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+                              x.shape[1], x.shape[2], x.stride(0), cos.shape[0], threads) == 0
+            for x in (q, k)
+        )
+        if ok:
+            return q, k
+        # Refused before writing anything (a position outside the table): torch raises on it below.
+    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, hd/2]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _heads_ok(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.shape[0] > 0
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), written on halves: same float ops as HF.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] holding gate then up -> silu(gate) * up [M, I]."""
+    kern = _kernels_for(gate_up)
+    if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0:
+        m, i = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(m, i, dtype=gate_up.dtype)
+        if kern.lib.silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, i, gate_up.stride(0), i,
+                                     torch.get_num_threads()) == 0:
+            return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

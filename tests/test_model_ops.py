@@ -1,0 +1,172 @@
+"""The model's CPU ops (kernels/cpu/model_ops_cpu.cpp through pagedrun.models.ops) against float64
+references and against their torch fallback, on random data (never zeros).
+
+Greedy equality with HF through the whole model is tests/test_models.py and tests/test_engine.py;
+these tests pin each op down on its own: odd shapes (N not a multiple of the 4-column tile, K not a
+multiple of 8, 1-5 rows), strided rows, bias, the in-place residual contract, the fallbacks.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedrun import cpu_build
+from pagedrun.models import ops
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = ops.load()
+    if k is None:
+        # No compiler is the one acceptable reason; a compiler that fails to build the kernels is a bug.
+        if shutil.which(cpu_build.compiler()) is None:
+            pytest.skip(f"CPU model ops unavailable: {ops.load_error()}")
+        pytest.fail(f"the CPU model ops did not build: {ops.load_error()}")
+    return k
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, ops.SMALL_M])
+@pytest.mark.parametrize("n,k", [(1024, 512), (13, 77), (960, 576), (6, 1536), (1, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(kern, m, n, k, with_bias):
+    g = _gen(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if with_bias else None
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    got = ops.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # fp32 accumulation over K terms of size ~1/sqrt(K): a few ulp of the result's scale.
+    tol = 4e-6 * k**0.5
+    assert (got.double() - want).abs().max().item() < tol
+    # The same rows through torch agree to the same tolerance (they are both near float64).
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=2 * tol, rtol=0)
+
+
+def test_linear_strided_rows_and_large_m_go_where_they_should(kern):
+    g = _gen(1)
+    big = torch.randn(9, 700, generator=g)
+    x = big[:, 100:612]  # rows 700 floats apart
+    w = torch.randn(40, 512, generator=g)
+    want = x.double() @ w.double().T
+    assert (ops.linear(x, w).double() - want).abs().max().item() < 1e-4
+    # Above SMALL_M rows the product is torch's own, bit for bit.
+    xl = torch.randn(ops.SMALL_M + 1, 512, generator=g)
+    assert torch.equal(ops.linear(xl, w), F.linear(xl, w))
+
+
+def test_linear_is_deterministic_across_thread_counts(kern):
+    g = _gen(2)
+    x, w = torch.randn(33, 520, generator=g), torch.randn(301, 520, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(ops.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("h", [576, 64, 13])
+def test_rms_norm_matches_float64_and_updates_residual_in_place(kern, h):
+    g = _gen(h)
+    x = torch.randn(37, h, generator=g) * 3
+    residual = torch.randn(37, h, generator=g)
+    weight = torch.randn(h, generator=g)
+    eps = 1e-5
+    hsum = x.double() + residual.double()
+    want = weight.double() * hsum / torch.sqrt(hsum.pow(2).mean(-1, keepdim=True) + eps)
+    before = residual.clone()
+    out, res = ops.rms_norm(x, weight, eps, residual)
+    assert res is residual  # the kernel writes x + residual into the caller's residual stream
+    assert torch.equal(res, x + before)  # one float32 add per element, as torch does it
+    assert (out.double() - want).abs().max().item() < 2e-5
+    with ops.torch_only():
+        out_t, res_t = ops.rms_norm(x, weight, eps, before.clone())
+    assert torch.equal(res_t, res)
+    torch.testing.assert_close(out, out_t, atol=1e-5, rtol=1e-6)
+    alone = ops.rms_norm(x, weight, eps)
+    want_alone = weight.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    assert (alone.double() - want_alone).abs().max().item() < 2e-5
+
+
+def test_rope_is_bit_identical_to_torch(kern):
+    g = _gen(3)
+    t, heads, kv_heads, hd, max_pos = 29, 8, 4, 64, 300
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * hd, generator=g)
+    positions = torch.randint(0, max_pos, (t,), generator=g)
+    freqs = torch.arange(max_pos).float()[:, None] * torch.rand(hd // 2, generator=g)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def split(buf):
+        q, k, _ = buf.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        return q.view(t, heads, hd), k.view(t, kv_heads, hd)
+
+    with ops.torch_only():
+        q_ref, k_ref = ops.rope(positions, *split(qkv.clone()), cos, sin)
+    buf = qkv.clone()
+    q, k = ops.rope(positions, *split(buf), cos, sin)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    # In place: the rotated q/k live in the projection's output buffer, v untouched.
+    assert q.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:, (heads + kv_heads) * hd:], qkv[:, (heads + kv_heads) * hd:])
+
+
+def test_rope_position_outside_the_table_raises_and_writes_nothing(kern):
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(2, 1, 8)
+    cos, sin = torch.rand(4, 4), torch.rand(4, 4)
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(IndexError):
+        ops.rope(torch.tensor([1, 4]), q, k, cos, sin)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_silu_and_mul_matches_float64_including_extremes(kern):
+    g = _gen(4)
+    gate_up = torch.randn(45, 2 * 1536, generator=g) * 6
+    gate_up[0, :8] = torch.tensor([-100.0, 100.0, 0.0, -88.0, 89.0, -87.5, 88.5, 1e-30])
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = gate / (1 + torch.exp(-gate)) * up
+    got = ops.silu_and_mul(gate_up)
+    assert got.shape == (45, 1536)
+    rel = ((got.double() - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    assert rel < 1e-6
+    with ops.torch_only():
+        torch.testing.assert_close(got, ops.silu_and_mul(gate_up), atol=0, rtol=1e-6)
+
+
+def test_other_dtypes_and_layouts_take_the_torch_path(kern):
+    g = _gen(5)
+    x, w = torch.randn(4, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    x32 = torch.randn(4, 8, 64, generator=g)  # 3-D: the per-head q/k norms of Qwen3
+    wn = torch.randn(64, generator=g)
+    with ops.torch_only():
+        want = ops.rms_norm(x32, wn, 1e-6)
+    assert torch.equal(ops.rms_norm(x32, wn, 1e-6), want)
+
+
+def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDRUN_CACHE", str(tmp_path))
+    ops.load.cache_clear()
+    try:
+        monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "0")
+        assert ops.load() is None and "PAGEDRUN_CPU_MODEL_OPS" in ops.load_error()
+        x, w = torch.randn(3, 16), torch.randn(5, 16)
+        assert torch.equal(ops.linear(x, w), F.linear(x, w))  # falls back, still right
+        monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "1")
+        monkeypatch.setenv("PAGEDRUN_CXX", str(tmp_path / "no-such-compiler"))
+        ops.load.cache_clear()
+        assert ops.load() is None and "no-such-compiler" in ops.load_error()
+    finally:
+        ops.load.cache_clear()
