@@ -170,3 +170,15 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
         assert ops.load() is None and "no-such-compiler" in ops.load_error()
     finally:
         ops.load.cache_clear()
+
+
+def test_huge_pages_default_on_and_user_choice_kept(monkeypatch):
+    from pagedrun import hugepages
+
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    assert hugepages.use_huge_pages() is True
+    assert __import__("os").environ[hugepages.ENV] == "1"
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert hugepages.use_huge_pages() is False
+    assert __import__("os").environ[hugepages.ENV] == "0"
+    assert hugepages.kernel_thp_mode() in (None, "always", "madvise", "never")
