@@ -26,8 +26,7 @@ from rich.console import Console
 
 from pagedrun.bench_engines import run_engine, run_isolated
 from pagedrun.errors import PagedrunError
-from pagedrun.hugepages import ENV as THP_ENV
-from pagedrun.hugepages import kernel_thp_mode, use_huge_pages
+from pagedrun.hugepages import kernel_thp_mode
 from pagedrun.workloads import BenchRequest
 
 ENGINES = ("pagedrun", "hf-static", "hf-continuous")
@@ -38,7 +37,6 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None, dtype: str, engines: list[str],
               overrides: list[str], console: Console, isolate: bool = True, threads: int | None = None,
               static_batch_sizes: list[int] | str | None = None, continuous_max_requests: list[int] | None = None) -> int:
-    use_huge_pages()  # the matmul roof is measured with the allocator every engine gets
     import torch
 
     from pagedrun.recipe import load_recipe
@@ -291,8 +289,8 @@ def machine_info(device: str, threads: int) -> dict:
     info = {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device,
             "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            # torch's huge-page allocations (every engine's process) and the kernel's THP mode
-            "thp_alloc": os.environ.get(THP_ENV, "1"), "kernel_thp": kernel_thp_mode()}
+            # pagedrun's CPU KV cache asks for huge pages (pagedrun/hugepages.py) where this allows it
+            "kernel_thp": kernel_thp_mode()}
     if device == "cuda":
         import torch
 

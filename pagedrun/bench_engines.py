@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.hugepages import use_huge_pages
 from pagedrun.workloads import BenchRequest
 
 
@@ -50,8 +49,6 @@ def _rss_bytes() -> int:
 
 
 def run_engine(spec: dict) -> dict:
-    # Every engine gets the same allocator: torch's huge-page allocations, as pagedrun's engine uses.
-    use_huge_pages()
     import torch
 
     torch.set_num_threads(spec["threads"])

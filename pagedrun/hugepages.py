@@ -1,36 +1,51 @@
-"""Transparent huge pages for torch's large CPU allocations (weights, KV cache, activations).
+"""Transparent huge pages for the CPU KV cache.
 
-torch's CPU allocator aligns allocations of 2 MiB or more to 2 MiB and madvise()s them
-MADV_HUGEPAGE when THP_MEM_ALLOC_ENABLE=1 (c10/core/alloc_cpu.cpp). A paged KV cache is where that
-pays: every block a decode step reads sits somewhere else in a cache of hundreds of MiB, and with
-4 KiB pages nearly every block costs a TLB miss; weights stream 100+ MiB per step the same way.
-Measured on the project's 2-vCPU machine: a decode step of the bench's 29M model at batch 64
-(GEMMs + attention over shuffled blocks) took 44-48 ms against 51-55 ms without (median of 15,
-three alternating pairs; docs/cpu-model-ops.md).
+A decode step reads every running sequence's blocks, and a sequence's blocks sit anywhere in a cache
+of hundreds of MiB: with 4 KiB pages nearly every 16 KiB block read costs TLB misses. Asking the
+kernel for 2 MiB pages on the cache's memory (madvise MADV_HUGEPAGE, before anything touches it)
+removes most of them. Only the cache: torch's allocator can put every large tensor on huge pages
+(THP_MEM_ALLOC_ENABLE=1), and that made MKL's prefill matmuls 20-25% slower here (power-of-two
+row strides on physically contiguous memory collide in the L2 cache; docs/cpu-model-ops.md).
 
-The first allocation of 2 MiB or more fixes torch's reading of the variable for the life of the
-process, so this runs before the engine (or a bench engine) allocates anything large. A value the
-user exported (THP_MEM_ALLOC_ENABLE=0 turns it off) is left alone. Where the kernel's THP mode is
-"never" the madvise is a no-op. Memory is still committed lazily, in 2 MiB steps instead of 4 KiB.
+Nothing changes where the kernel's THP mode is "never" (or the platform has no madvise); memory is
+still committed lazily, on first touch, 2 MiB at a time instead of 4 KiB.
 """
 from __future__ import annotations
 
-import os
+import ctypes
+import ctypes.util
 
-ENV = "THP_MEM_ALLOC_ENABLE"
+import torch
 
-
-def use_huge_pages() -> bool:
-    """Turn torch's THP allocation on unless the user chose; True when it is on."""
-    os.environ.setdefault(ENV, "1")
-    return os.environ[ENV].strip() not in ("", "0")
+HUGE_PAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE = 14
 
 
 def kernel_thp_mode() -> str | None:
     """The kernel's THP setting (always / madvise / never), None where it cannot be read."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else None
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned part of a CPU tensor's memory; the bytes
+    advised (0 when nothing was: too small, not on the CPU, THP off, no madvise)."""
+    if t.device.type != "cpu" or kernel_thp_mode() in (None, "never"):
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = end // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        rc = libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_HUGEPAGE))
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo if rc == 0 else 0

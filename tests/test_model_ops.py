@@ -172,13 +172,17 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
         ops.load.cache_clear()
 
 
-def test_huge_pages_default_on_and_user_choice_kept(monkeypatch):
+def test_kv_cache_asks_for_huge_pages_where_the_kernel_allows():
     from pagedrun import hugepages
+    from pagedrun.kv.cache_engine import CacheEngine
 
-    monkeypatch.delenv(hugepages.ENV, raising=False)
-    assert hugepages.use_huge_pages() is True
-    assert __import__("os").environ[hugepages.ENV] == "1"
-    monkeypatch.setenv(hugepages.ENV, "0")
-    assert hugepages.use_huge_pages() is False
-    assert __import__("os").environ[hugepages.ENV] == "0"
-    assert hugepages.kernel_thp_mode() in (None, "always", "madvise", "never")
+    mode = hugepages.kernel_thp_mode()
+    assert mode in (None, "always", "madvise", "never")
+    # 2 layers x K/V x 64 blocks x 16 KiB = 4 MiB: at least one whole 2 MiB page inside it.
+    engine = CacheEngine(2, 4, 64, 16, 64, 0, torch.float32, torch.device("cpu"))
+    if mode in (None, "never"):
+        assert engine.huge_page_bytes == 0
+    else:
+        assert engine.huge_page_bytes >= hugepages.HUGE_PAGE
+        assert engine.huge_page_bytes % hugepages.HUGE_PAGE == 0
+    assert hugepages.advise_huge_pages(torch.empty(10)) == 0  # too small to hold an aligned 2 MiB page

@@ -20,7 +20,6 @@ from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
-from pagedrun.hugepages import use_huge_pages
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
@@ -81,7 +80,6 @@ class LLMEngine:
         from pagedrun.models.loader import load_model, load_tokenizer
 
         self.recipe = recipe
-        use_huge_pages()  # before the weights and the KV cache are allocated (pagedrun/hugepages.py)
         if recipe.model.threads:
             torch.set_num_threads(recipe.model.threads)
         self.device = resolve_device(recipe.model.device)
