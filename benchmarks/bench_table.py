@@ -17,6 +17,13 @@ def _mib(b) -> str:
     return f"{b / 2**20:,.1f}" if b is not None else "-"
 
 
+def _samples(res: dict) -> str:
+    samples = res.get("matmul_flops_per_s_samples")
+    if not samples or len(samples) < 2:
+        return ""
+    return " (the higher of " + " and ".join(f"{x / 1e9:,.1f}" for x in samples) + ", before and after the engines)"
+
+
 def table(res: dict) -> str:
     m, w, mach = res["model"], res["workload"], res["machine"]
     lines = [
@@ -24,7 +31,7 @@ def table(res: dict) -> str:
         "",
         f"{w['requests']} requests, {w['prompt_tokens']:,} prompt tokens, {w['max_output_tokens']:,} output tokens; "
         f"{m['parameters']['total'] / 1e6:.1f}M parameters ({m['parameters']['matmul'] / 1e6:.1f}M in matmuls); "
-        f"matmul roof {res['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s; "
+        f"matmul roof {res['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s{_samples(res)}; "
         f"load average (1/5/15 min) at the start {_load(mach.get('load_average_start'))}, "
         f"at the end {_load(mach.get('load_average_end'))}.",
         "",
