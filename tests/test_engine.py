@@ -50,6 +50,30 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_TOKENS) -> list[list[int]]:
     return out
 
 
+def occupancy_by_walking_every_block(engine) -> dict:
+    """The report's per-step occupancy the slow, obvious way: every block of every running table,
+    each distinct block at the fullest of its holders (the oracle for LLMEngine._occupancy, which
+    only walks shared blocks)."""
+    bs = engine.kv.block_size
+    stored: dict[int, int] = {}
+    assigned: dict[int, int] = {}
+    logical = reserved = 0
+    for g in engine.scheduler.running:
+        for seq in g.unfinished_seqs():
+            computed, slots = seq.num_computed_tokens, engine.kv.get_num_tokens(seq.seq_id)
+            logical += computed
+            reserved += min(g.prompt_len + g.sampling.max_tokens, engine.max_model_len)
+            for i, b in enumerate(engine.kv.get_block_table(seq.seq_id)):
+                a, c = min(bs, slots - i * bs), min(bs, computed - i * bs)
+                if a > 0:
+                    assigned[b] = max(assigned.get(b, 0), a)
+                if c > 0:
+                    stored[b] = max(stored.get(b, 0), c)
+    return {"tokens_stored": sum(stored.values()), "tokens_assigned": sum(assigned.values()),
+            "tokens_logical": logical, "reserved_contiguous_tokens": reserved,
+            "num_running_requests": len(engine.scheduler.running)}
+
+
 def run(model_dir, prompts, *sets, sampling=None):
     recipe = load_recipe(None, [f"model.path={model_dir}", f"sampling.max_tokens={MAX_TOKENS}",
                                 "sampling.ignore_eos=true", *sets])
@@ -59,6 +83,7 @@ def run(model_dir, prompts, *sets, sampling=None):
     def checked_step():  # the scheduler's queue invariants hold after every step
         finished = engine_step()
         llm.engine.scheduler.check_invariants()
+        assert llm.engine._occupancy() == occupancy_by_walking_every_block(llm.engine)
         return finished
 
     llm.engine.step = checked_step

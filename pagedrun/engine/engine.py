@@ -303,14 +303,17 @@ class LLMEngine:
         ))
 
     def _occupancy(self) -> dict:
-        """One pass over the running block tables, each distinct block counted once (forked children
-        and prefix hits share blocks): slots holding computed KV, slots assigned to tokens, tokens held
-        per sequence, and the contiguous reservation the same sequences would need (the report's
-        what-if; computed, not allocated)."""
+        """Slots holding computed KV and slots assigned to tokens, each distinct block counted once
+        (forked children and prefix hits share blocks), tokens held per sequence, and the contiguous
+        reservation the same sequences would need (the report's what-if; computed, not allocated).
+
+        Per sequence the unshared blocks hold exactly its computed / assigned tokens; only shared
+        blocks (a leading run of each table, KVCacheManager.shared_prefix_blocks) need the
+        per-block max over their holders. So the cost per step is the number of running sequences
+        plus shared blocks, not every block of every table."""
         bs = self.kv.block_size
-        stored: dict[int, int] = {}
-        assigned: dict[int, int] = {}
-        logical = reserved = 0
+        stored = assigned = logical = reserved = 0
+        shared: dict[int, list[tuple[int, int]]] = {}  # block -> (assigned, stored) per holder
         for g in self.scheduler.running:
             want = min(g.prompt_len + g.sampling.max_tokens, self.max_model_len)
             for seq in g.unfinished_seqs():
@@ -318,16 +321,17 @@ class LLMEngine:
                 slots = self.kv.get_num_tokens(seq.seq_id)
                 logical += computed
                 reserved += want
-                for i, b in enumerate(self.kv.get_block_table(seq.seq_id)):
-                    a = min(bs, slots - i * bs)
-                    if a <= 0:
-                        break
-                    if a > assigned.get(b, 0):
-                        assigned[b] = a
-                    c = min(bs, computed - i * bs)
-                    if c > stored.get(b, 0):
-                        stored[b] = c
-        return {"tokens_stored": sum(stored.values()), "tokens_assigned": sum(assigned.values()),
+                stored += computed
+                assigned += slots
+                for i, b in enumerate(self.kv.shared_prefix_blocks(seq.seq_id)):
+                    shared.setdefault(b, []).append((min(bs, max(0, slots - i * bs)),
+                                                     min(bs, max(0, computed - i * bs))))
+        for fills in shared.values():  # counted once per holder above; keep the fullest holder's
+            a = [f[0] for f in fills]
+            c = [f[1] for f in fills]
+            assigned -= sum(a) - max(a)
+            stored -= sum(c) - max(c)
+        return {"tokens_stored": stored, "tokens_assigned": assigned,
                 "tokens_logical": logical, "reserved_contiguous_tokens": reserved,
                 "num_running_requests": len(self.scheduler.running)}
 

@@ -119,6 +119,20 @@ class KVCacheManager:
     def get_num_tokens(self, seq_id: int) -> int:
         return self._table(seq_id).num_tokens
 
+    def shared_prefix_blocks(self, seq_id: int) -> list[int]:
+        """The leading device blocks of a sequence that other block tables hold too (ref_cnt > 1).
+        Blocks are only ever shared as a prefix: prefix-cache hits are leading blocks of the hitting
+        sequence and, by the chained hashes, of the one it hits; a fork shares all the parent's
+        blocks and copy-on-write gives each sequence its own copy of the one it writes next. So
+        these are all of the sequence's shared blocks, found without walking its whole table."""
+        blocks = self.gpu_pool.blocks
+        out = []
+        for b in self._gpu_table(seq_id).block_ids:
+            if blocks[b].ref_cnt <= 1:
+                break
+            out.append(b)
+        return out
+
     def get_slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Cache slots of positions start .. end-1 of a sequence on the GPU (its slot_mapping)."""
         return self._gpu_table(seq_id).slots(start, end)

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from pagedrun import cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
-# Rows up to which the kernel's GEMM beats torch's on this project's CPUs (measured: 1.3-2.5x faster
-# at 1-128 rows, about even at 256, slower beyond; benchmarks/linear_small_m.py).
+# Rows up to which the kernel's GEMM beats torch's on this project's CPUs (measured: 1.6x faster at
+# 1-16 rows, 1.2-1.3x at 32-64, 1.1x at 128, even at 256; torch is at the machine's peak from ~512
+# rows; benchmarks/linear_small_m.py).
 SMALL_M = 128
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
