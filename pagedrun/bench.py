@@ -26,7 +26,6 @@ from rich.console import Console
 
 from pagedrun.bench_engines import run_engine, run_isolated
 from pagedrun.errors import PagedrunError
-from pagedrun.hugepages import kernel_thp_mode
 from pagedrun.workloads import BenchRequest
 
 ENGINES = ("pagedrun", "hf-static", "hf-continuous")
@@ -301,9 +300,7 @@ def machine_info(device: str, threads: int) -> dict:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device,
             "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            # pagedrun's CPU KV cache asks for huge pages (pagedrun/hugepages.py) where this allows it
-            "kernel_thp": kernel_thp_mode()}
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
     if device == "cuda":
         import torch
 

@@ -170,19 +170,3 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
         assert ops.load() is None and "no-such-compiler" in ops.load_error()
     finally:
         ops.load.cache_clear()
-
-
-def test_kv_cache_asks_for_huge_pages_where_the_kernel_allows():
-    from pagedrun import hugepages
-    from pagedrun.kv.cache_engine import CacheEngine
-
-    mode = hugepages.kernel_thp_mode()
-    assert mode in (None, "always", "madvise", "never")
-    # 2 layers x K/V x 64 blocks x 16 KiB = 4 MiB: at least one whole 2 MiB page inside it.
-    engine = CacheEngine(2, 4, 64, 16, 64, 0, torch.float32, torch.device("cpu"))
-    if mode in (None, "never"):
-        assert engine.huge_page_bytes == 0
-    else:
-        assert engine.huge_page_bytes >= hugepages.HUGE_PAGE
-        assert engine.huge_page_bytes % hugepages.HUGE_PAGE == 0
-    assert hugepages.advise_huge_pages(torch.empty(10)) == 0  # too small to hold an aligned 2 MiB page

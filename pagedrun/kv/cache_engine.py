@@ -15,8 +15,6 @@ from typing import Union
 
 import torch
 
-from pagedrun.hugepages import advise_huge_pages
-
 BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
 
 
@@ -54,9 +52,6 @@ class CacheEngine:
         block_shape = (block_size, num_kv_heads, head_size)
         # Uninitialised on purpose: a slot is only read after the step that wrote it.
         self.gpu_kv_cache = torch.empty(shape + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
-        # On the CPU, 2 MiB pages for the cache before anything touches it: decode reads blocks
-        # scattered over all of it (pagedrun/hugepages.py).
-        self.huge_page_bytes = advise_huge_pages(self.gpu_kv_cache)
         # Pinned host memory makes host<->device copies DMA transfers that need no staging copy.
         pin = self.device.type == "cuda"
         self.cpu_kv_cache = torch.empty(shape + (num_cpu_blocks,) + block_shape, dtype=self.dtype, pin_memory=pin)
