@@ -6,9 +6,9 @@
 // returns 0, or a negative status before writing anything when an argument is out of range; the
 // Python side (pagedrun/models/cpu_ops.py) then falls back to torch.
 //
-// Why a GEMM of our own: torch's CPU linear (MKL sgemm) packs the weight matrix on every call, which
-// is free when a prefill step brings thousands of rows but dominates when a decode step brings 1-64:
-// measured at 25-85 GFLOP/s there against ~150 for large products (docs/cpu-model-ops.md). This one
+// Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
+// rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
+// ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause). This one
 // reads the weight [N, K] in place, row by row, as dot products: a tile of 3 rows of x times 4 rows of
 // W keeps 12 running sums in registers, so each W row loaded from memory serves 3 rows of x and each
 // x row (hot in L1/L2) serves 4 weight rows. The 8 lanes of a sum are added up in a fixed order:
