@@ -8,7 +8,6 @@ read of any slot the sequence does not own, or of a padding token's K/V, poisons
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 
 import pytest
@@ -17,35 +16,15 @@ import torch
 from pagedrun.attention import cpu_kernels
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
+from pagedrun.cpu_build import machine_flags
+
+from attention_reference import assert_matches_reference
+from cpu_libraries import load_or_skip
 
 
 @pytest.fixture(scope="module")
 def kern():
-    k = cpu_kernels.load()
-    if k is None:
-        # No compiler is the one acceptable reason; a compiler that fails to build the kernel is a bug.
-        if shutil.which(cpu_kernels.compiler()) is None:
-            pytest.skip(f"CPU attention kernel unavailable: {cpu_kernels.load_error()}")
-        pytest.fail(f"the CPU attention kernel did not build: {cpu_kernels.load_error()}")
-    return k
-
-
-def reference_attention(queries, keys, values, context_lens, scale):
-    """Causal attention in float64; query j of a sequence sees keys 0..context_len + j."""
-    outs = []
-    for q, k, v, ctx in zip(queries, keys, values, context_lens):
-        q, k, v = q.double(), k.double(), v.double()
-        qlen, heads, hd = q.shape
-        group = heads // k.shape[1]
-        out = torch.empty(qlen, heads, hd, dtype=torch.float64)
-        for j in range(qlen):
-            visible = ctx + j + 1
-            kk = k[:visible].repeat_interleave(group, dim=1)  # [visible, heads, hd]
-            vv = v[:visible].repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,khd->hk", q[j], kk) * scale
-            out[j] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), vv)
-        outs.append(out)
-    return outs
+    return load_or_skip(cpu_kernels.load, cpu_kernels.load_error, "CPU attention kernel")
 
 
 class Case:
@@ -115,14 +94,7 @@ class Case:
     def check(self, atol=2e-5, use_cpu_kernel=True):
         out = self.run(use_cpu_kernel)
         assert out.shape == self.query.shape and out.dtype == self.dtype
-        ref = reference_attention(self.queries, self.keys, self.values, self.context_lens, self.scale)
-        start = 0
-        for i, r in enumerate(ref):
-            got = out[start : start + r.shape[0]].double()
-            assert torch.isfinite(got).all(), f"seq {i}: non-finite output"
-            err = (got - r).abs().max().item()
-            assert err < atol, f"seq {i} (ctx {self.context_lens[i]}, q {r.shape[0]}): max error {err}"
-            start += r.shape[0]
+        assert_matches_reference(out, self.queries, self.keys, self.values, self.context_lens, self.scale, atol)
         assert torch.equal(out[self.num_real :], torch.zeros_like(out[self.num_real :])), "padding rows not zero"
         return out
 
@@ -326,9 +298,9 @@ def test_build_cache_is_keyed_and_reused(monkeypatch, tmp_path):
 
 
 def test_machine_flags():
-    assert cpu_kernels.machine_flags("flags : fpu sse2 avx avx2 fma f16c") == ["-mavx2", "-mfma", "-mf16c"]
-    assert cpu_kernels.machine_flags("flags : fpu sse2 avx f16c") == ["-mf16c"]
-    assert cpu_kernels.machine_flags("flags : fpu sse2") == []
+    assert machine_flags("flags : fpu sse2 avx avx2 fma f16c") == ["-mavx2", "-mfma", "-mf16c"]
+    assert machine_flags("flags : fpu sse2 avx f16c") == ["-mf16c"]
+    assert machine_flags("flags : fpu sse2") == []
 
 
 def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):

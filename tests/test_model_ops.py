@@ -7,25 +7,18 @@ multiple of 8, 1-5 rows), strided rows, bias, the in-place residual contract, th
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedrun import cpu_build
 from pagedrun.models import ops
+
+from cpu_libraries import load_or_skip
 
 
 @pytest.fixture(scope="module")
 def kern():
-    k = ops.load()
-    if k is None:
-        # No compiler is the one acceptable reason; a compiler that fails to build the kernels is a bug.
-        if shutil.which(cpu_build.compiler()) is None:
-            pytest.skip(f"CPU model ops unavailable: {ops.load_error()}")
-        pytest.fail(f"the CPU model ops did not build: {ops.load_error()}")
-    return k
+    return load_or_skip(ops.load, ops.load_error, "CPU model ops")
 
 
 def _gen(seed: int) -> torch.Generator:

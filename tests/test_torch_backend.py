@@ -15,30 +15,7 @@ import torch
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend, reshape_and_cache
 
-
-def reference_attention(
-    queries: list[torch.Tensor],  # per sequence [qlen, heads, hd]
-    keys: list[torch.Tensor],  # per sequence, the whole sequence [seq_len, kv_heads, hd]
-    values: list[torch.Tensor],
-    context_lens: list[int],
-    scale: float,
-) -> list[torch.Tensor]:
-    """Causal attention in float64, one (sequence, query, head) at a time."""
-    outs = []
-    for q, k, v, ctx in zip(queries, keys, values, context_lens):
-        q, k, v = q.double(), k.double(), v.double()
-        qlen, heads, hd = q.shape
-        group = heads // k.shape[1]
-        out = torch.empty(qlen, heads, hd, dtype=torch.float64)
-        for j in range(qlen):
-            visible = ctx + j + 1  # keys 0..ctx+j
-            for h in range(heads):
-                kh = h // group
-                scores = (k[:visible, kh] @ q[j, h]) * scale
-                weights = torch.exp(scores - scores.max())
-                out[j, h] = (weights / weights.sum()) @ v[:visible, kh]
-        outs.append(out)
-    return outs
+from attention_reference import assert_matches_reference
 
 
 class Case:
@@ -96,14 +73,7 @@ class Case:
     def check(self, atol=1e-5):
         out = self.run()
         assert out.shape == self.query.shape and out.dtype == self.query.dtype
-        ref = reference_attention(self.queries, self.keys, self.values, self.context_lens, self.scale)
-        start = 0
-        for i, r in enumerate(ref):
-            got = out[start : start + r.shape[0]].double()
-            assert torch.isfinite(got).all(), f"seq {i}: non-finite output"
-            err = (got - r).abs().max().item()
-            assert err < atol, f"seq {i} (ctx {self.context_lens[i]}, q {r.shape[0]}): max error {err}"
-            start += r.shape[0]
+        assert_matches_reference(out, self.queries, self.keys, self.values, self.context_lens, self.scale, atol)
         return out
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from pagedrun import cpu_build
-from pagedrun.cpu_build import compiler, machine_flags  # noqa: F401  (re-exported for the tests)
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
