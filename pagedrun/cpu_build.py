@@ -61,6 +61,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """Path of the compiled library (<source stem>.so), compiling it if this (source, flags,
     compiler) is new."""
     code = source.read_bytes()
+    # The kernels' shared headers (kernels/cpu/*.h) are part of what is compiled, so of the key.
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     lib_name = source.stem + ".so"
     flags = BASE_FLAGS + list(extra_flags) + machine_flags()
     cxx = compiler()
@@ -68,7 +70,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
-    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cxx.encode(), version.encode()])).hexdigest()
+    key = hashlib.sha256(b"\0".join([code, *headers, " ".join(flags).encode(), cxx.encode(),
+                                      version.encode()])).hexdigest()
     final = cache_root() / key[:32]
     so = final / lib_name
     if so.is_file():
@@ -79,8 +82,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     try:
         src = work / source.name
         src.write_bytes(code)
-        res = subprocess.run([cxx, *flags, str(src), "-o", str(work / lib_name)], capture_output=True, text=True,
-                             cwd=work)
+        res = subprocess.run([cxx, *flags, f"-I{source.parent}", str(src), "-o", str(work / lib_name)],
+                             capture_output=True, text=True, cwd=work)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[-2000:]}")
         try:

@@ -27,16 +27,11 @@
 #include <immintrin.h>
 #endif
 
+#include "vec8.h"
+
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned access
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
-inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
 
 // c + a * b with one rounding where the CPU has FMA (the GEMM's inner loop), two otherwise.
 inline v8f fma8(v8f a, v8f b, v8f c) {
@@ -47,23 +42,13 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-inline float horizontal_sum(v8f a) {
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
 // ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
 
 constexpr int kTileRows = 3;     // rows of x per tile
 constexpr int kTileCols = 4;     // rows of w (output columns) per tile
 constexpr int64_t kRowsInL2 = 256 * 1024;  // bytes of x rows kept hot while a chunk of W streams by
 
-// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]
-inline v8f pair_sums(v8f a, v8f b) {
-  const v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
-  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
-}
-
-// Lanes 0-3 of the result = the lane sums of a, b, c, d (the same order as horizontal_sum).
+// Lanes 0-3 of the result = the lane sums of a, b, c, d, each in a fixed order.
 inline v8f horizontal_sums4(v8f a, v8f b, v8f c, v8f d) {
   const v8f q = pair_sums(pair_sums(a, b), pair_sums(c, d));  // [a0123 a4567 b0123 b4567 c.. d..]
   return pair_sums(q, q);
@@ -118,33 +103,6 @@ inline void gemm_cols(const float* x, int64_t ldx, int64_t m0, int64_t m1, const
   for (; m + kTileRows <= m1; m += kTileRows, ahead = nullptr)
     gemm_tile<kTileRows, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
   for (; m < m1; ++m, ahead = nullptr) gemm_tile<1, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
-}
-
-// ---- elementwise helpers ----
-
-// exp(x) for any float: Cephes' expf polynomial (about 1 ulp), 0 below -87.3, inf above 88.7,
-// written branch-free so g++ vectorises loops over it.
-inline float exp_f32(float x) {
-  const float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-  const float z = xc * 1.44269504088896341f;
-  const float n = (z + 12582912.0f) - 12582912.0f;  // round to nearest (|z| < 2^22)
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  // 2^n as two factors, so n = 128 (x near 88.7) does not overflow the exponent field.
-  const int32_t n1 = int32_t(n) >> 1, n2 = int32_t(n) - n1;
-  uint32_t e1 = uint32_t(n1 + 127) << 23, e2 = uint32_t(n2 + 127) << 23;
-  float f1, f2;
-  std::memcpy(&f1, &e1, 4);
-  std::memcpy(&f2, &e2, 4);
-  const float scaled = y * f1 * f2;
-  return x < -87.3f ? 0.0f : (x > 88.7f ? INFINITY : scaled);
 }
 
 }  // namespace

@@ -31,6 +31,8 @@
 #include <omp.h>
 #endif
 
+#include "vec8.h"
+
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -39,17 +41,6 @@ constexpr int kKeysPerChunk = 32;  // keys scored before one softmax update (sco
 constexpr int kRowsPerTile = 64;   // query rows (tokens x group heads) per prefill work item
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // ---- element types: widen to fp32 on load, round to nearest even on store ----
 struct BF16 {
@@ -80,50 +71,10 @@ template <> inline BF16 from_f32<BF16>(float x) {
 template <> inline F16 from_f32<F16>(float x) { return F16(x); }
 #endif
 
-// exp(x) for the x <= 0 of an online softmax (score minus running max), Cephes' expf polynomial
-// (about 1 ulp), written so g++ vectorises loops over it without -ffast-math. x below -87 (and
-// -inf, the initial running max) gives exactly 0.
-inline float exp_nonpos(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float z = xc * 1.44269504088896341f;
-  const float n = (z + 12582912.0f) - 12582912.0f;  // round to nearest (|z| < 2^22)
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t e = (int32_t(n) + 127) << 23;
-  const float scaled = y * bits_to_float(uint32_t(e));
-  return x < -87.0f ? 0.0f : scaled;
-}
-
-// ---- SIMD through GCC vector extensions: 8 floats = one AVX register (two SSE registers in a
-// build without -mavx2), no intrinsics, so the same source builds anywhere g++ does. ----
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned access
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
-inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
-
-// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]
-inline v8f pair_sums(v8f a, v8f b) {
-  const v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
-  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
-}
-
 // Lane i of the result = sum of the 8 lanes of a[i] (a fixed order: results are deterministic).
 inline v8f horizontal_sums8(const v8f* a) {
   return pair_sums(pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])),
                    pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
-}
-
-inline float horizontal_sum(v8f a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
 // s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8). Eight
@@ -253,13 +204,13 @@ inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, floa
   float cmax = s[0];
   for (int64_t c = 1; c < n; ++c) cmax = s[c] > cmax ? s[c] : cmax;
   if (cmax > m) {
-    const float f = exp_nonpos(m - cmax);  // 0 on the first chunk (m = -inf)
+    const float f = exp_f32(m - cmax);  // 0 on the first chunk (m = -inf)
     l *= f;
     for (int64_t d = 0; d < hd; ++d) acc[d] *= f;
     m = cmax;
   }
   const float mr = m;
-  for (int64_t c = 0; c < n; ++c) p[c] = exp_nonpos(s[c] - mr);
+  for (int64_t c = 0; c < n; ++c) p[c] = exp_f32(s[c] - mr);
   float sum = 0.0f;
   for (int64_t c = 0; c < n; ++c) sum += p[c];
   l += sum;
