@@ -2,8 +2,9 @@
 references and against their torch fallback, on random data (never zeros).
 
 Greedy equality with HF through the whole model is tests/test_models.py and tests/test_engine.py;
-these tests pin each op down on its own: odd shapes (N not a multiple of the 4-column tile, K not a
-multiple of 8, 1-5 rows), strided rows, bias, the in-place residual contract, the fallbacks.
+these tests pin each op down on its own: odd shapes (N not a multiple of the 4-column tile or the
+16-column panel, K not a multiple of 8 or over one panel slice, 1-7 rows), strided rows, bias, the
+in-place residual contract, the fallbacks.
 """
 from __future__ import annotations
 
@@ -67,6 +68,65 @@ def test_linear_is_deterministic_across_thread_counts(kern):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 300])
+@pytest.mark.parametrize("n,k", [(1024, 512), (13, 77), (40, 1100), (960, 576), (4000, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_packed_matches_float64(kern, m, n, k, with_bias):
+    """Packed weights: N not a multiple of the panel (padding), K over one 512-row slice (partial sums
+    continued through the output), M over one L2 chunk of rows (300 x 1100 floats), 1-6 row tiles."""
+    g = _gen(m * 7 + n * 3 + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if with_bias else None
+    packed = ops.pack_weight(w)
+    assert packed.shape == (-(-n // kern.panel), k, kern.panel)
+    assert torch.equal(ops.unpack_weight(packed, n), w)
+    got = ops.linear_packed(x, packed, b, n)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert (got.double() - want).abs().max().item() < 4e-6 * k**0.5
+
+
+def test_linear_packed_strided_rows_threads_and_fallback(kern):
+    g = _gen(3)
+    big = torch.randn(70, 700, generator=g)
+    x = big[:, 100:612]  # rows 700 floats apart, read in place
+    w, b = torch.randn(301, 512, generator=g), torch.randn(301, generator=g)
+    packed = ops.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(ops.linear_packed(x, packed, b, 301))
+    finally:
+        torch.set_num_threads(before)
+    # One sum over k in order per output, whoever computes it: bit-identical across thread counts.
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert (outs[0].double() - (x.double() @ w.double().T + b.double())).abs().max().item() < 1e-4
+    # Kernels switched off after packing: torch on the unpacked weight, exactly F.linear.
+    with ops.torch_only():
+        assert torch.equal(ops.linear_packed(x, packed, b, 301), F.linear(x, w, b))
+        assert ops.pack_weight(w) is None
+    assert ops.pack_weight(w.bfloat16()) is None
+    assert ops.linear_packed(x[:0], packed, b, 301).shape == (0, 301)
+
+
+def test_model_linears_are_packed_after_loading(kern):
+    from pagedrun.models.llama import Linear
+
+    g = _gen(4)
+    lin = Linear(96, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=g))
+        lin.bias.copy_(torch.randn(40, generator=g))
+    x = torch.randn(9, 96, generator=g)
+    want = F.linear(x, lin.weight, lin.bias)
+    lin.process_weights_after_loading()
+    assert lin.weight.shape == (3, 96, kern.panel)
+    torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("h", [576, 64, 13])

@@ -20,6 +20,7 @@ from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
+from pagedrun.models.llama import Linear
 from pagedrun.models.loader import load_model, load_tokenizer
 from tiny_models import FAMILIES, make_tiny_model
 
@@ -140,10 +141,13 @@ _HF_CACHE: dict = {}
 def test_greedy_matches_hf(tiny_dirs, family, block_size, shuffle, model_ops):
     """model_ops: the C++ linear/norm/RoPE/SiLU kernels (the default on CPU) or their torch fallback."""
     model_dir = tiny_dirs[family]
-    model, config = load_model(model_dir, torch.float32, "cpu")
-    prompts = random_prompts(config.vocab_size, [11, 5, 1, 17], seed=len(family))
     max_new = 8
+    # Loaded inside the context too: with the kernels the Linear weights are packed for them.
     with contextlib.nullcontext() if model_ops == "cpu-kernels" else ops.torch_only():
+        model, config = load_model(model_dir, torch.float32, "cpu")
+        packed = [m.weight.dim() == 3 for m in model.modules() if isinstance(m, Linear)]
+        assert all(packed) if model_ops == "cpu-kernels" and ops.load() else not any(packed)
+        prompts = random_prompts(config.vocab_size, [11, 5, 1, 17], seed=len(family))
         got, got_logits = paged_greedy(model, config, prompts, max_new, block_size, shuffle)
     key = (family, tuple(map(tuple, prompts)), max_new)
     if key not in _HF_CACHE:  # both block layouts compare against one HF run

@@ -42,6 +42,12 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
+// All 8 lanes = *p (one vbroadcastss; `v8f{} + *p` would add a real 0 + x without -ffast-math).
+inline v8f broadcast8(const float* p) {
+  const float v = *p;
+  return v8f{v, v, v, v, v, v, v, v};
+}
+
 // ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
 
 constexpr int kTileRows = 3;     // rows of x per tile
@@ -105,6 +111,97 @@ inline void gemm_cols(const float* x, int64_t ldx, int64_t m0, int64_t m1, const
   for (; m < m1; ++m, ahead = nullptr) gemm_tile<1, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
 }
 
+
+// ---- GEMM on packed weights: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
+//
+// The model's Linear weights are repacked once after loading (pagedrun.models.ops.pack_weight) into
+// panels of kPanel output columns: packed[q][k][j] = w[q * kPanel + j][k], zero-padded past N. A
+// panel's row k is one 64-byte line holding column block q's weights for input k, so a tile of MR
+// rows of x times the panel is an outer product per k: two vector loads of weights, MR broadcasts of
+// x, 2 * MR FMAs into 2 * MR accumulators (MR = 6: 12 accumulators + 2 weights + 1 broadcast = 15 of
+// the 16 AVX registers, the BLIS microkernel's shape). Panels stream contiguously from memory, so the
+// hardware prefetcher follows them, and each panel slice (kKc rows of k, 32 KiB) stays in L1 while
+// every row tile of x passes over it. Each output element is one sum over k in increasing order
+// (continued across k-slices through the output itself), so results do not depend on the thread
+// count or on the blocking.
+
+constexpr int kPanel = 16;
+constexpr int kTileM = 6;
+constexpr int64_t kKc = 512;               // k rows of a panel slice: 512 x 64 B = 32 KiB
+constexpr int64_t kXBytesInL2 = 256 * 1024;  // rows of x kept hot in L2 while all panels pass by
+
+// MR rows of x (row stride ldx) times panel rows [k0, k1) into c (row stride ldc): started from
+// zero when `first`, else continued from c; bias added when given (the last slice). `prefetch`:
+// the next slice to pull in from memory while this one computes (the first tile of a slice only).
+template <int MR>
+inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0,
+                        int64_t k1, float* __restrict c, int64_t ldc, bool first, const float* bias,
+                        const float* prefetch) {
+  v8f acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    acc[i][0] = first ? v8f{} : load8(c + i * ldc);
+    acc[i][1] = first ? v8f{} : load8(c + i * ldc + 8);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch) __builtin_prefetch(prefetch + (k - k0) * kPanel);
+    const v8f w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+    for (int i = 0; i < MR; ++i) {
+      const v8f xv = broadcast8(x + i * ldx + k);
+      acc[i][0] = fma8(xv, w0, acc[i][0]);
+      acc[i][1] = fma8(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (bias) {
+      acc[i][0] += load8(bias);
+      acc[i][1] += load8(bias + 8);
+    }
+    store8(c + i * ldc, acc[i][0]);
+    store8(c + i * ldc + 8, acc[i][1]);
+  }
+}
+
+inline void packed_tile_rows(int mr, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                             float* c, int64_t ldc, bool first, const float* bias, const float* prefetch) {
+  switch (mr) {
+    case 6: return packed_tile<6>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    case 5: return packed_tile<5>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    case 4: return packed_tile<4>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    case 3: return packed_tile<3>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    case 2: return packed_tile<2>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    default: return packed_tile<1>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+  }
+}
+
+// All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice. The last panel
+// may be partial (N not a multiple of kPanel): its tiles go through a full-width scratch tile.
+inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* packed, int64_t q,
+                         int64_t num_panels, int64_t N, int64_t K, const float* bias, float* out, int64_t ldo) {
+  const float* panel = packed + q * K * kPanel;
+  const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+  float scratch[kTileM * kPanel];
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+    const bool first = k0 == 0, last = k1 == K;
+    // Next in this thread's stream: the panel's next slice, else the next panel's first.
+    const float* prefetch = k1 < K ? panel + k1 * kPanel : (q + 1 < num_panels ? panel + K * kPanel : nullptr);
+    for (int64_t m = m0; m < m1; m += kTileM, prefetch = nullptr) {
+      const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
+      float* c = out + m * ldo + n0;
+      if (cols == kPanel) {
+        packed_tile_rows(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first, last && bias ? bias + n0 : nullptr,
+                         prefetch);
+        continue;
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < kPanel; ++j) scratch[i * kPanel + j] = !first && j < cols ? c[i * ldo + j] : 0.0f;
+      packed_tile_rows(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch);
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < cols; ++j)
+          c[i * ldo + j] = scratch[i * kPanel + j] + (last && bias ? bias[n0 + j] : 0.0f);
+    }
+  }
+}
 }  // namespace
 
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w[N, K]^T (+ bias [N] unless null).
@@ -135,6 +232,27 @@ PR_EXPORT int linear_f32(const float* x, const float* w, const float* bias, floa
       }
       for (; n < n_end; ++n) gemm_cols<1>(x, ldx, m0, m1, w, n, K, bias, out, ldo, nullptr);
     }
+  }
+  return 0;
+}
+
+// Columns per panel of the packed layout (pagedrun.models.ops packs with it).
+PR_EXPORT int packed_panel_width() { return kPanel; }
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T (+ bias [N] unless null), with w
+// packed: [ceil(N / kPanel), K, kPanel]. Threads split the panels (each output column is one
+// thread's); rows go in chunks that fit in L2 (all of a decode step's rows, a slice of a prefill's).
+PR_EXPORT int linear_packed_f32(const float* x, const float* packed, const float* bias, float* out, int64_t M,
+                                int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return -1;
+  if (num_threads < 1) num_threads = 1;
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
+  row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
+  for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+    const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t q = 0; q < num_panels; ++q) packed_panel(x, ldx, m0, m1, packed, q, num_panels, N, K, bias, out, ldo);
   }
   return 0;
 }

@@ -28,9 +28,17 @@ from pagedrun.models.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product goes through ops.linear (the decode-sized GEMM kernel on the CPU)."""
+    """nn.Linear whose weight, once packed after loading, is in the CPU GEMM kernel's panel layout
+    ([N / 16, K, 16] instead of [N, K]: the weight tensor's shape says which)."""
+
+    def process_weights_after_loading(self) -> None:
+        packed = ops.pack_weight(self.weight.data)
+        if packed is not None:
+            self.weight.data = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 3:
+            return ops.linear_packed(x, self.weight, self.bias, self.out_features)
         return ops.linear(x, self.weight, self.bias)
 
 
@@ -193,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = (
                 None
                 if config.tie_word_embeddings
-                else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+                else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
         self.rotary_emb = RotaryEmbedding(config).to(device)
@@ -217,8 +225,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding table, which lookups need unpacked
+            return ops.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Repack the Linear weights for the CPU GEMM kernel (a no-op where it does not apply), as
+        vLLM's quantisation methods repack theirs: once, in place, after load_weights()."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""

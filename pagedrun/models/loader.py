@@ -90,6 +90,7 @@ def load_model(
         if str(e).startswith(str(model_dir)):
             raise
         raise PagedrunError(f"{model_dir}: {e}") from None
+    model.process_weights_after_loading()
     model.eval()
     return model, config
 

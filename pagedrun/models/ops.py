@@ -42,6 +42,11 @@ class CpuModelOps:
         lib = ctypes.CDLL(str(so_path))
         lib.linear_f32.restype = _int
         lib.linear_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
+        lib.linear_packed_f32.restype = _int
+        lib.linear_packed_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
+        lib.packed_panel_width.restype = _int
+        lib.packed_panel_width.argtypes = []
+        self.panel = lib.packed_panel_width()
         lib.rms_norm_f32.restype = _int
         lib.rms_norm_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_f32, _int]
         lib.rope_f32.restype = _int
@@ -114,6 +119,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if rc == 0:
             return out
     return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] in the packed GEMM's layout, [ceil(N / panel), K, panel] with
+    packed[q, k, j] = weight[q * panel + j, k] (zero rows pad the last panel); None where the kernel
+    cannot take it (not float32 on the CPU, kernels off or unavailable): keep the weight as it is.
+
+    Packed once after loading (LlamaForCausalLM.process_weights_after_loading), in place of the
+    original: same bytes, plus the padding when N is not a multiple of the panel."""
+    kern = _kernels_for(weight)
+    if kern is None or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    panels = -(-n // kern.panel)
+    padded = F.pad(weight, (0, 0, 0, panels * kern.panel - n))
+    return padded.view(panels, kern.panel, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_weight's inverse: the [out_features, K] weight."""
+    panels, k, panel = packed.shape
+    return packed.transpose(1, 2).reshape(panels * panel, k)[:out_features]
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias) with the weight packed by pack_weight: the packed GEMM kernel for
+    every M (it keeps up with torch's at prefill sizes and beats it at decode sizes,
+    docs/cpu-model-ops.md). With the kernels switched off since packing (torch_only(), tests), torch
+    on the unpacked weight: right, and slow."""
+    kern = _kernels_for(x, packed)
+    if kern is not None and x.dim() == 2 and not _rows(x):
+        x = x.contiguous()
+    if (kern is not None and _rows(x) and x.shape[1] == packed.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        m = x.shape[0]
+        out = torch.empty(m, out_features, dtype=x.dtype)
+        if m == 0:
+            return out
+        rc = kern.lib.linear_packed_f32(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                        out.data_ptr(), m, out_features, x.shape[1], x.stride(0), out_features,
+                                        torch.get_num_threads())
+        if rc == 0:
+            return out
+    return F.linear(x, unpack_weight(packed, out_features), bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
