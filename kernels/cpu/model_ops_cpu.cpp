@@ -42,12 +42,6 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-// All 8 lanes = *p (one vbroadcastss; `v8f{} + *p` would add a real 0 + x without -ffast-math).
-inline v8f broadcast8(const float* p) {
-  const float v = *p;
-  return v8f{v, v, v, v, v, v, v, v};
-}
-
 // ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
 
 constexpr int kTileRows = 3;     // rows of x per tile
@@ -146,7 +140,7 @@ inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __r
     if (prefetch) __builtin_prefetch(prefetch + (k - k0) * kPanel);
     const v8f w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
     for (int i = 0; i < MR; ++i) {
-      const v8f xv = broadcast8(x + i * ldx + k);
+      const v8f xv = broadcast8(x[i * ldx + k]);
       acc[i][0] = fma8(xv, w0, acc[i][0]);
       acc[i][1] = fma8(xv, w1, acc[i][1]);
     }

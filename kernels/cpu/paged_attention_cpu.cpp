@@ -111,7 +111,7 @@ inline void weighted_sum_block(float* __restrict acc, const float* __restrict p,
   v8f a[NV];
   for (int i = 0; i < NV; ++i) a[i] = load8(acc + 8 * i);
   for (int64_t c = 0; c < n; ++c) {
-    const v8f w = v8f{} + p[c];
+    const v8f w = broadcast8(p[c]);
     const float* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) a[i] += w * load8(vc + 8 * i);
   }
@@ -170,7 +170,7 @@ inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b
     b[i] = load8(acc_b + 8 * i);
   }
   for (int64_t c = 0; c < n; ++c) {
-    const v8f wa = v8f{} + pa[c], wb = v8f{} + pb[c];
+    const v8f wa = broadcast8(pa[c]), wb = broadcast8(pb[c]);
     const float* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) {
       const v8f vv = load8(vc + 8 * i);
@@ -282,18 +282,27 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
     const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
     const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
     const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
+    // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
+    // this one computes, a share per head, so the requests are spread over the chunk's work
+    // instead of queueing up at its start (measured 13.6 -> 15.2 GB/s of K/V, 64 decodes).
+    const T *next_k = nullptr, *next_v = nullptr;
+    int64_t next_n = 0;
     if (p0 + n < end) {
-      // The next chunk's rows sit in another block (somewhere else in memory): ask for them now.
       const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
-      const int64_t nn = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
+      next_n = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
       const int64_t nrow0 = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + slice_off;
-      for (int64_t c = 0; c < nn; ++c)
-        for (int64_t b = 0; b < slice_bytes; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + nrow0 + c * tok_stride) + b);
-          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + nrow0 + c * tok_stride) + b);
-        }
+      next_k = key_cache + nrow0;
+      next_v = value_cache + nrow0;
     }
     for (int64_t h = it.kv0; h < it.kv1; ++h) {
+      if (next_n) {
+        const int64_t heads = it.kv1 - it.kv0, c0 = (h - it.kv0) * next_n / heads;
+        for (int64_t c = c0; c < (h - it.kv0 + 1) * next_n / heads; ++c)
+          for (int64_t b = 0; b < slice_bytes; b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(next_k + c * tok_stride) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(next_v + c * tok_stride) + b);
+          }
+      }
       const int64_t base = row0 + h * hd;
       const float *kp, *vp;
       int64_t kstride;

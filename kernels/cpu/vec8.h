@@ -26,6 +26,9 @@ inline uint32_t float_to_bits(float f) {
 inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
 inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
 
+// All 8 lanes = x: one vbroadcastss (`v8f{} + x` would be a real 0 + x add without -ffast-math).
+inline v8f broadcast8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
 // [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]
 inline v8f pair_sums(v8f a, v8f b) {
   const v8i even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
