@@ -136,6 +136,7 @@ inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __r
     acc[i][0] = first ? v8f{} : load8(c + i * ldc);
     acc[i][1] = first ? v8f{} : load8(c + i * ldc + 8);
   }
+#pragma GCC unroll 4
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch) __builtin_prefetch(prefetch + (k - k0) * kPanel);
     const v8f w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);

@@ -199,10 +199,22 @@ inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const flo
 
 // Online-softmax step for one row over its scores s[0:n] of a chunk: raise the running max m (and
 // rescale the row's sum l and accumulator by exp(old - new)), then p = exp(s - m), l += sum(p).
+// The max and the sum go 8 lanes at a time (then the lanes in a fixed order): as one scalar chain
+// each, their add/compare latency cost more than the chunk's dot products.
 inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, float& m, float& l,
                           float* __restrict acc, float* __restrict p) {
   float cmax = s[0];
-  for (int64_t c = 1; c < n; ++c) cmax = s[c] > cmax ? s[c] : cmax;
+  int64_t c = 1;
+  if (n >= 8) {
+    v8f mv = load8(s);
+    for (c = 8; c + 8 <= n; c += 8) {
+      const v8f x = load8(s + c);
+      mv = x > mv ? x : mv;
+    }
+    cmax = mv[0];
+    for (int j = 1; j < 8; ++j) cmax = mv[j] > cmax ? mv[j] : cmax;
+  }
+  for (; c < n; ++c) cmax = s[c] > cmax ? s[c] : cmax;
   if (cmax > m) {
     const float f = exp_f32(m - cmax);  // 0 on the first chunk (m = -inf)
     l *= f;
@@ -210,9 +222,11 @@ inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, floa
     m = cmax;
   }
   const float mr = m;
-  for (int64_t c = 0; c < n; ++c) p[c] = exp_f32(s[c] - mr);
-  float sum = 0.0f;
-  for (int64_t c = 0; c < n; ++c) sum += p[c];
+  for (c = 0; c < n; ++c) p[c] = exp_f32(s[c] - mr);
+  v8f sum8 = {};
+  for (c = 0; c + 8 <= n; c += 8) sum8 += load8(p + c);
+  float sum = horizontal_sum(sum8);
+  for (; c < n; ++c) sum += p[c];
   l += sum;
 }
 
