@@ -112,6 +112,9 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
     result = summarise(rows, mismatches, requests, workload, model, model_dir, params, dtype, device, threads,
                        flops, quick, isolate)
     result["machine"]["load_average_start"] = load_start
+    # pagedrun's own allocator settings (pagedrun/malloc_tuning.py; HF keeps glibc's defaults).
+    result["machine"]["pagedrun_malloc_tuning"] = next(
+        (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
     result["matmul_flops_per_s_samples"] = roof_samples
     console.print(render_table(result))
     if mismatches:

@@ -23,6 +23,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe
 from pagedrun.sampler import Sampler, SamplingRow, make_generator
@@ -83,6 +84,8 @@ class LLMEngine:
         if recipe.model.threads:
             torch.set_num_threads(recipe.model.threads)
         self.device = resolve_device(recipe.model.device)
+        # Before the memory profile, so that it sees the heap the steps will use.
+        self.malloc_tuning = tune_glibc_malloc() if self.device.type == "cpu" else None
         self.dtype = DTYPES[recipe.model.dtype]
         self.model_dir = resolve_model_dir(recipe.model.path)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
