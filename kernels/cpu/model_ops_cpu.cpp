@@ -1,18 +1,20 @@
-// The model's own CPU ops, float32 (issue 8): a GEMM for the few-row products of decode steps, and
-// the elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
+// The model's own CPU ops, float32 (issue 8): GEMMs for the model's linear layers, and the
+// elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
 //
 // Built and loaded like paged_attention_cpu.cpp (pagedrun/cpu_build.py: g++ -O3 -fopenmp -shared,
 // -mavx2 -mfma when the machine has them; ctypes, raw pointers, no torch headers). Every function
 // returns 0, or a negative status before writing anything when an argument is out of range; the
-// Python side (pagedrun/models/cpu_ops.py) then falls back to torch.
+// Python side (pagedrun/models/ops.py) then falls back to torch.
 //
-// Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
+// Why GEMMs of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
 // rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
-// ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause). This one
-// reads the weight [N, K] in place, row by row, as dot products: a tile of 3 rows of x times 4 rows of
-// W keeps 12 running sums in registers, so each W row loaded from memory serves 3 rows of x and each
-// x row (hot in L1/L2) serves 4 weight rows. The 8 lanes of a sum are added up in a fixed order:
-// results are deterministic and independent of the thread count.
+// ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause).
+// linear_packed_f32 works on weights packed once after loading, in 16-column panels (BLIS's
+// microkernel shape, below); every Linear of the model uses it. linear_f32 reads a weight [N, K] in
+// place, as dot products, for the weights that stay unpacked (a tied LM head, which is also the
+// embedding table): a tile of 3 rows of x times 4 rows of W keeps 12 running sums in registers, and
+// the 8 lanes of a sum are added up in a fixed order. Both are deterministic and independent of the
+// thread count.
 //
 // Numerics follow transformers' op order (built with -ffp-contract=off and no -ffast-math, so a*b+c
 // rounds twice, as torch's elementwise kernels do): RMSNorm multiplies x by 1/sqrt(mean(x^2) + eps)

@@ -6,9 +6,12 @@ tensors, bf16/fp16, odd strides, no compiler). Both paths follow transformers' o
 only in reduction order, so greedy outputs match HF either way (tests/test_model_ops.py,
 tests/test_engine.py).
 
-Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill step
-but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150 (measured;
-docs/cpu-model-ops.md). `linear` sends at most SMALL_M rows to the kernel and larger products to torch.
+Why the linear ops have kernels: torch's CPU matmul is fast for the thousands of rows of a prefill
+step but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150
+(measured; docs/cpu-model-ops.md). The model's Linear weights are packed once after loading
+(`pack_weight`) and `linear_packed` runs every product on them, decode and prefill alike; `linear`
+(weights as they are, e.g. a tied LM head that is also the embedding table) sends at most SMALL_M
+rows to the dot-product kernel and larger products to torch.
 The elementwise ops replace chains of 3-14 torch passes over the activations with one.
 
 PAGEDRUN_CPU_MODEL_OPS=0 (or set_enabled(False)) turns the kernels off, for A/B comparisons.
