@@ -223,3 +223,21 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
         assert ops.load() is None and "no-such-compiler" in ops.load_error()
     finally:
         ops.load.cache_clear()
+
+
+def test_packed_embedding_table_looks_up_the_same_rows(kern):
+    from pagedrun.models.llama import VocabEmbedding
+
+    g = _gen(6)
+    emb = VocabEmbedding(37, 24)  # 37 rows: the last panel is padded
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(37, 24, generator=g))
+    ids = torch.tensor([0, 36, 15, 16, 5, 36, 31])
+    want = emb(ids)
+    table = emb.weight.data
+    emb.weight.data = ops.pack_weight(table)
+    assert emb.weight.shape == (3, 24, kern.panel)
+    assert torch.equal(emb(ids), want)
+    # As the tied LM head: the same product as the unpacked table.
+    h = torch.randn(5, 24, generator=g)
+    torch.testing.assert_close(ops.linear_packed(h, emb.weight, None, 37), F.linear(h, table), atol=1e-5, rtol=0)

@@ -146,6 +146,8 @@ def test_greedy_matches_hf(tiny_dirs, family, block_size, shuffle, model_ops):
     with contextlib.nullcontext() if model_ops == "cpu-kernels" else ops.torch_only():
         model, config = load_model(model_dir, torch.float32, "cpu")
         packed = [m.weight.dim() == 3 for m in model.modules() if isinstance(m, Linear)]
+        if config.tie_word_embeddings:  # the table is the LM head: packed too, and lookups read it so
+            packed.append(model.model.embed_tokens.weight.dim() == 3)
         assert all(packed) if model_ops == "cpu-kernels" and ops.load() else not any(packed)
         prompts = random_prompts(config.vocab_size, [11, 5, 1, 17], seed=len(family))
         got, got_logits = paged_greedy(model, config, prompts, max_new, block_size, shuffle)

@@ -42,6 +42,18 @@ class Linear(nn.Linear):
         return ops.linear(x, self.weight, self.bias)
 
 
+class VocabEmbedding(nn.Embedding):
+    """nn.Embedding whose table may be packed like a Linear weight ([V / 16, H, 16]): with tied
+    embeddings the table is also the LM head, and the head's GEMM wants it packed. A lookup then
+    gathers token v's row from its panel: packed[v // 16, :, v % 16], the same values."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 3:
+            panel = self.weight.shape[2]
+            return self.weight[ids // panel, :, ids % panel]
+        return super().forward(ids)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -170,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
         )
@@ -225,16 +237,25 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied: the embedding table, which lookups need unpacked
-            return ops.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        table = self.model.embed_tokens.weight  # tied: the embedding table is the head
+        if table.dim() == 3:
+            return ops.linear_packed(hidden, table, None, self.config.vocab_size).float()
+        return ops.linear(hidden, table).float()
 
     def process_weights_after_loading(self) -> None:
-        """Repack the Linear weights for the CPU GEMM kernel (a no-op where it does not apply), as
-        vLLM's quantisation methods repack theirs: once, in place, after load_weights()."""
+        """Repack the Linear weights (and a tied embedding table, the LM head) for the CPU GEMM
+        kernel, a no-op where it does not apply, as vLLM's quantisation methods repack theirs: once,
+        in place, after load_weights()."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        if self.lm_head is None:
+            embed = self.model.embed_tokens
+            packed = ops.pack_weight(embed.weight.data)
+            if packed is not None:
+                embed.weight.data = packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""

@@ -136,8 +136,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     n, k = weight.shape
     panels = -(-n // kern.panel)
-    padded = F.pad(weight, (0, 0, 0, panels * kern.panel - n))
-    return padded.view(panels, kern.panel, k).transpose(1, 2).contiguous()
+    if n % kern.panel:  # one transient copy of the weight, not two, when no padding is needed
+        weight = F.pad(weight, (0, 0, 0, panels * kern.panel - n))
+    return weight.view(panels, kern.panel, k).transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
