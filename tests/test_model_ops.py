@@ -2,9 +2,9 @@
 references and against their torch fallback, on random data (never zeros).
 
 Greedy equality with HF through the whole model is tests/test_models.py and tests/test_engine.py;
-these tests pin each op down on its own: odd shapes (N not a multiple of the 4-column tile or the
-16-column panel, K not a multiple of 8 or over one panel slice, 1-7 rows), strided rows, bias, the
-in-place residual contract, the fallbacks.
+these tests pin each op down on its own: odd shapes (N not a multiple of the 16-column panel, K not a
+multiple of 8 or over one panel slice, 1-7 rows and more than one L2 chunk of rows), strided rows,
+bias, the in-place residual contract, the fallbacks.
 """
 from __future__ import annotations
 
@@ -24,50 +24,6 @@ def kern():
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, ops.SMALL_M])
-@pytest.mark.parametrize("n,k", [(1024, 512), (13, 77), (960, 576), (6, 1536), (1, 8)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_float64(kern, m, n, k, with_bias):
-    g = _gen(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) / k**0.5
-    b = torch.randn(n, generator=g) if with_bias else None
-    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
-    got = ops.linear(x, w, b)
-    assert got.shape == (m, n) and got.dtype == torch.float32
-    # fp32 accumulation over K terms of size ~1/sqrt(K): a few ulp of the result's scale.
-    tol = 4e-6 * k**0.5
-    assert (got.double() - want).abs().max().item() < tol
-    # The same rows through torch agree to the same tolerance (they are both near float64).
-    torch.testing.assert_close(got, F.linear(x, w, b), atol=2 * tol, rtol=0)
-
-
-def test_linear_strided_rows_and_large_m_go_where_they_should(kern):
-    g = _gen(1)
-    big = torch.randn(9, 700, generator=g)
-    x = big[:, 100:612]  # rows 700 floats apart
-    w = torch.randn(40, 512, generator=g)
-    want = x.double() @ w.double().T
-    assert (ops.linear(x, w).double() - want).abs().max().item() < 1e-4
-    # Above SMALL_M rows the product is torch's own, bit for bit.
-    xl = torch.randn(ops.SMALL_M + 1, 512, generator=g)
-    assert torch.equal(ops.linear(xl, w), F.linear(xl, w))
-
-
-def test_linear_is_deterministic_across_thread_counts(kern):
-    g = _gen(2)
-    x, w = torch.randn(33, 520, generator=g), torch.randn(301, 520, generator=g)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs.append(ops.linear(x, w))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 300])
@@ -110,7 +66,6 @@ def test_linear_packed_strided_rows_threads_and_fallback(kern):
     with ops.torch_only():
         assert torch.equal(ops.linear_packed(x, packed, b, 301), F.linear(x, w, b))
         assert ops.pack_weight(w) is None
-    assert ops.pack_weight(w.bfloat16()) is None
     assert ops.linear_packed(x[:0], packed, b, 301).shape == (0, 301)
 
 
@@ -200,8 +155,8 @@ def test_silu_and_mul_matches_float64_including_extremes(kern):
 
 def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     g = _gen(5)
-    x, w = torch.randn(4, 64, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    w = torch.randn(8, 64, generator=g)
+    assert ops.pack_weight(w.bfloat16()) is None and ops.pack_weight(w[:, None]) is None
     x32 = torch.randn(4, 8, 64, generator=g)  # 3-D: the per-head q/k norms of Qwen3
     wn = torch.randn(64, generator=g)
     with ops.torch_only():
@@ -215,8 +170,7 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
     try:
         monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "0")
         assert ops.load() is None and "PAGEDRUN_CPU_MODEL_OPS" in ops.load_error()
-        x, w = torch.randn(3, 16), torch.randn(5, 16)
-        assert torch.equal(ops.linear(x, w), F.linear(x, w))  # falls back, still right
+        assert ops.pack_weight(torch.randn(5, 16)) is None  # weights stay as loaded: torch's F.linear
         monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "1")
         monkeypatch.setenv("PAGEDRUN_CXX", str(tmp_path / "no-such-compiler"))
         ops.load.cache_clear()

@@ -6,15 +6,12 @@
 // returns 0, or a negative status before writing anything when an argument is out of range; the
 // Python side (pagedrun/models/ops.py) then falls back to torch.
 //
-// Why GEMMs of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
+// Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
 // rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
 // ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause).
-// linear_packed_f32 works on weights packed once after loading, in 16-column panels (BLIS's
-// microkernel shape, below); every Linear of the model uses it. linear_f32 reads a weight [N, K] in
-// place, as dot products, for the weights that stay unpacked (a tied LM head, which is also the
-// embedding table): a tile of 3 rows of x times 4 rows of W keeps 12 running sums in registers, and
-// the 8 lanes of a sum are added up in a fixed order. Both are deterministic and independent of the
-// thread count.
+// Our weights never change, so they are packed once after loading, in 16-column panels (BLIS's
+// microkernel shape, below), and linear_packed_f32 runs every product of the model on them, decode
+// and prefill alike. It is deterministic and independent of the thread count.
 //
 // Numerics follow transformers' op order (built with -ffp-contract=off and no -ffast-math, so a*b+c
 // rounds twice, as torch's elementwise kernels do): RMSNorm multiplies x by 1/sqrt(mean(x^2) + eps)
@@ -44,71 +41,7 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-// ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
-
-constexpr int kTileRows = 3;     // rows of x per tile
-constexpr int kTileCols = 4;     // rows of w (output columns) per tile
-constexpr int64_t kRowsInL2 = 256 * 1024;  // bytes of x rows kept hot while a chunk of W streams by
-
-// Lanes 0-3 of the result = the lane sums of a, b, c, d, each in a fixed order.
-inline v8f horizontal_sums4(v8f a, v8f b, v8f c, v8f d) {
-  const v8f q = pair_sums(pair_sums(a, b), pair_sums(c, d));  // [a0123 a4567 b0123 b4567 c.. d..]
-  return pair_sums(q, q);
-}
-
-// One MR x NR tile of out over the whole K: the K % 8 == 0 part in registers, the rest scalar.
-// With a prefetch pointer (weight rows further on), its NR rows are requested as this tile walks K:
-// the first tile of a column block is the one that pulls the block's weights in from memory, and
-// with few rows of x that stream, not the arithmetic, sets the pace (measured +5-17% at 4-32 rows).
-template <int MR, int NR>
-inline void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
-                      const float* __restrict bias, float* __restrict out, int64_t ldo,
-                      const float* prefetch = nullptr) {
-  v8f acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = v8f{};
-  const int64_t k8 = K / 8 * 8;
-  for (int64_t k = 0; k < k8; k += 8) {
-    if (prefetch && k % 16 == 0)
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(prefetch + j * K + k);
-    v8f wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const v8f xv = load8(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    // The lane sums go out with vector shuffles: spilling 12 accumulators to add them up one by
-    // one cost about a quarter of the tile's time at K = 512.
-    float s[NR];
-    if constexpr (NR == 4) {
-      const v8f r = horizontal_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-      for (int j = 0; j < 4; ++j) s[j] = r[j];
-    } else {
-      for (int j = 0; j < NR; ++j) s[j] = horizontal_sum(acc[i][j]);
-    }
-    for (int64_t kk = k8; kk < K; ++kk)
-      for (int j = 0; j < NR; ++j) s[j] += x[i * ldx + kk] * w[j * K + kk];
-    for (int j = 0; j < NR; ++j) out[i * ldo + j] = bias ? s[j] + bias[j] : s[j];
-  }
-}
-
-// Rows [m0, m1) of x against weight rows [n0, n0 + NR): full tiles of kTileRows, then the rest.
-// The first tile prefetches the weight rows two column blocks ahead (`ahead`, null past the end).
-template <int NR>
-inline void gemm_cols(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* w, int64_t n0, int64_t K,
-                      const float* bias, float* out, int64_t ldo, const float* ahead) {
-  const float* wn = w + n0 * K;
-  const float* bn = bias ? bias + n0 : nullptr;
-  int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows, ahead = nullptr)
-    gemm_tile<kTileRows, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
-  for (; m < m1; ++m, ahead = nullptr) gemm_tile<1, NR>(x + m * ldx, ldx, wn, K, bn, out + m * ldo + n0, ldo, ahead);
-}
-
-
-// ---- GEMM on packed weights: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----
+// ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w packed ----
 //
 // The model's Linear weights are repacked once after loading (pagedrun.models.ops.pack_weight) into
 // panels of kPanel output columns: packed[q][k][j] = w[q * kPanel + j][k], zero-padded past N. A
@@ -200,38 +133,6 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
   }
 }
 }  // namespace
-
-// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w[N, K]^T (+ bias [N] unless null).
-// Threads split the output columns; within a thread's columns, chunks of x rows that fit in L2 meet
-// every weight row of the chunk.
-PR_EXPORT int linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
-                         int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
-  if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return -1;
-  if (M == 0) return 0;
-  if (num_threads < 1) num_threads = 1;
-  // Column chunks: a few per thread so uneven N still splits evenly, each a multiple of the tile.
-  // Column chunks of 64 weight rows (or fewer, so every thread gets work when N is small); the static
-  // schedule hands each thread one contiguous run of them.
-  int64_t chunk = (N + num_threads - 1) / num_threads;
-  chunk = chunk < 64 ? (chunk + kTileCols - 1) / kTileCols * kTileCols : 64;
-  const int64_t num_chunks = (N + chunk - 1) / chunk;
-  int64_t row_chunk = kRowsInL2 / (K * int64_t(sizeof(float)));
-  row_chunk = row_chunk < kTileRows ? kTileRows : row_chunk / kTileRows * kTileRows;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t n_begin = c * chunk, n_end = n_begin + chunk < N ? n_begin + chunk : N;
-    for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
-      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
-      int64_t n = n_begin;
-      for (; n + kTileCols <= n_end; n += kTileCols) {
-        const int64_t next = n + 2 * kTileCols;
-        gemm_cols<kTileCols>(x, ldx, m0, m1, w, n, K, bias, out, ldo, next + kTileCols <= N ? w + next * K : nullptr);
-      }
-      for (; n < n_end; ++n) gemm_cols<1>(x, ldx, m0, m1, w, n, K, bias, out, ldo, nullptr);
-    }
-  }
-  return 0;
-}
 
 // Columns per panel of the packed layout (pagedrun.models.ops packs with it).
 PR_EXPORT int packed_panel_width() { return kPanel; }

@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedrun.attention.backend import AttentionBackend
@@ -39,7 +40,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 3:
             return ops.linear_packed(x, self.weight, self.bias, self.out_features)
-        return ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -242,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         table = self.model.embed_tokens.weight  # tied: the embedding table is the head
         if table.dim() == 3:
             return ops.linear_packed(hidden, table, None, self.config.vocab_size).float()
-        return ops.linear(hidden, table).float()
+        return F.linear(hidden, table).float()
 
     def process_weights_after_loading(self) -> None:
         """Repack the Linear weights (and a tied embedding table, the LM head) for the CPU GEMM

@@ -6,12 +6,10 @@ tensors, bf16/fp16, odd strides, no compiler). Both paths follow transformers' o
 only in reduction order, so greedy outputs match HF either way (tests/test_model_ops.py,
 tests/test_engine.py).
 
-Why the linear ops have kernels: torch's CPU matmul is fast for the thousands of rows of a prefill
+Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill
 step but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150
-(measured; docs/cpu-model-ops.md). The model's Linear weights are packed once after loading
-(`pack_weight`) and `linear_packed` runs every product on them, decode and prefill alike; `linear`
-(weights as they are, e.g. a tied LM head that is also the embedding table) sends at most SMALL_M
-rows to the dot-product kernel and larger products to torch.
+(measured; docs/cpu-model-ops.md). The model's weights are packed once after loading
+(`pack_weight`) and `linear_packed` runs every product on them, decode and prefill alike.
 The elementwise ops replace chains of 3-14 torch passes over the activations with one.
 
 PAGEDRUN_CPU_MODEL_OPS=0 (or set_enabled(False)) turns the kernels off, for A/B comparisons.
@@ -28,11 +26,6 @@ import torch.nn.functional as F
 from pagedrun import cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
-# Rows up to which the kernel's GEMM beats torch's on this project's CPUs (measured: 1.6x faster at
-# 1-16 rows, 1.2-1.3x at 32-64, 1.1x at 128, even at 256; torch is at the machine's peak from ~512
-# rows; benchmarks/linear_small_m.py).
-SMALL_M = 128
-
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _enabled = True
 _load_error: str | None = None
@@ -43,8 +36,6 @@ class CpuModelOps:
 
     def __init__(self, so_path) -> None:
         lib = ctypes.CDLL(str(so_path))
-        lib.linear_f32.restype = _int
-        lib.linear_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         lib.linear_packed_f32.restype = _int
         lib.linear_packed_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         lib.packed_panel_width.restype = _int
@@ -107,21 +98,6 @@ def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
 def _rows(x: torch.Tensor) -> bool:
     """2-D with contiguous rows: the layout every kernel takes (any row stride)."""
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias): the kernel for M <= SMALL_M, torch above."""
-    kern = _kernels_for(x, weight) if 0 < x.shape[0] <= SMALL_M else None
-    if (kern is not None and _rows(x) and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
-        m, k = x.shape
-        n = weight.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype)
-        rc = kern.lib.linear_f32(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                 out.data_ptr(), m, n, k, x.stride(0), n, torch.get_num_threads())
-        if rc == 0:
-            return out
-    return F.linear(x, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
