@@ -9,9 +9,11 @@ kernel must fault in and zero again: on the 29M bench model, 130,000-540,000 pag
 (docs/cpu-model-ops.md). Fixing the two thresholds keeps a step's freed activations in the heap for
 the next step: 76,000-91,000 faults (mostly the KV cache's first touch) and 0.25-0.35 s.
 
-What it costs: up to TRIM_THRESHOLD of freed memory stays resident between steps instead of going
-back to the kernel; peak RSS is unchanged (those pages were resident at the peak anyway). Blocks
-above MMAP_THRESHOLD (the KV cache) are still mmapped, so still committed only as they are written.
+What it costs: freed activations stay in the heap instead of going back to the kernel, and the heap
+fragments a little, so peak RSS grows: 688-764 MiB against 640-678 MiB with glibc's defaults on the
+29M bench run (+50-90 MiB, about a tenth). Against that, the run no longer lands in glibc's bad
+mode (about half of the default runs: 520,000 faults, 8.1-8.7 s instead of 7.5-8.0 s). Blocks above
+MMAP_THRESHOLD (the KV cache) are still mmapped, so still committed only as they are written.
 Only pagedrun's engine sets them: applied to HF transformers' process, they made HF `generate`
 (static batch 64) about 6% slower (25.1-25.3 s -> 26.5-27.2 s), so `pagedrun bench` runs HF with
 glibc's defaults.
