@@ -1,4 +1,4 @@
-// The model's own CPU ops, float32 (issue 8): GEMMs for the model's linear layers, and the
+// The model's own CPU ops, float32 (issue 8): a GEMM for the model's linear layers, and the
 // elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
 //
 // Built and loaded like paged_attention_cpu.cpp (pagedrun/cpu_build.py: g++ -O3 -fopenmp -shared,
