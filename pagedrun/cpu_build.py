@@ -57,6 +57,17 @@ def disabled(env_var: str) -> bool:
     return os.environ.get(env_var, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def load(env_var: str, source: Path, wrap, extra_flags: tuple[str, ...] = ()):
+    """(wrap(library), None), or (None, why) when env_var turns the kernels off or building or
+    loading them fails (no compiler, compile error, unloadable .so): the caller falls back to torch."""
+    if disabled(env_var):
+        return None, f"disabled by {env_var}"
+    try:
+        return wrap(build(source, extra_flags)), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """Path of the compiled library (<source stem>.so), compiling it if this (source, flags,
     compiler) is new."""

@@ -86,14 +86,8 @@ def load_error() -> str | None:
 def load() -> CpuAttentionKernels | None:
     """Build (once per machine and source) and load the kernel; None if that is impossible."""
     global _load_error
-    if cpu_build.disabled("PAGEDRUN_CPU_ATTENTION"):
-        _load_error = "disabled by PAGEDRUN_CPU_ATTENTION"
-        return None
-    try:
-        return CpuAttentionKernels(build())
-    except Exception as e:  # no compiler, compile error, unloadable .so: torch will do
-        _load_error = f"{type(e).__name__}: {e}"
-        return None
+    lib, _load_error = cpu_build.load("PAGEDRUN_CPU_ATTENTION", SOURCE, CpuAttentionKernels)
+    return lib
 
 
 def build(source: Path = SOURCE) -> Path:

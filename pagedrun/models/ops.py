@@ -59,15 +59,9 @@ def load_error() -> str | None:
 def load() -> CpuModelOps | None:
     """Build (once per machine and source) and load the kernels; None if that is impossible."""
     global _load_error
-    if cpu_build.disabled("PAGEDRUN_CPU_MODEL_OPS"):
-        _load_error = "disabled by PAGEDRUN_CPU_MODEL_OPS"
-        return None
-    try:
-        # No FMA contraction: the elementwise ops round like torch's (the GEMM asks for FMAs itself).
-        return CpuModelOps(cpu_build.build(SOURCE, extra_flags=("-ffp-contract=off",)))
-    except Exception as e:  # no compiler, compile error, unloadable .so: torch will do
-        _load_error = f"{type(e).__name__}: {e}"
-        return None
+    # No FMA contraction: the elementwise ops round like torch's (the GEMM asks for FMAs itself).
+    lib, _load_error = cpu_build.load("PAGEDRUN_CPU_MODEL_OPS", SOURCE, CpuModelOps, ("-ffp-contract=off",))
+    return lib
 
 
 def set_enabled(enabled: bool) -> None:
