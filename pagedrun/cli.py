@@ -4,7 +4,6 @@ Every user error is one line on stderr with a non-zero exit; `--debug` shows the
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 from pathlib import Path
@@ -46,14 +45,6 @@ def run_guarded(debug: bool, fn, *args, **kwargs):
         console.print(f"interrupted{': ' + str(e) if str(e) else '.'}", highlight=False, soft_wrap=True,
                       markup=False)
         raise typer.Exit(130)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class StopFlag:

@@ -19,7 +19,7 @@ from pagedrun.recipe import load_recipe
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
                  ray_address: str | None = None, replicas: int | None = None) -> int:
-    from pagedrun.cli import file_sha256
+    from pagedrun.fingerprint import file_sha256
     from pagedrun.io.outputs import OutputWriter
 
     recipe = load_recipe(recipe_path, overrides)
