@@ -45,10 +45,16 @@ def machine_flags(cpuinfo: str | None = None) -> list[str]:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return []
-    found = set(re.findall(r"\b(avx2|fma|f16c)\b", cpuinfo))
+    found = set(re.findall(r"\b(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_bf16)\b", cpuinfo))
     flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
     if "f16c" in found:
         flags.append("-mf16c")
+    # AVX-512 doubles the vector width the kernels are written for (kernels/cpu/simd.h picks it);
+    # bf16 dot products (vdpbf16ps) where the CPU has them.
+    if flags and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= found:
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if "avx512_bf16" in found:
+            flags.append("-mavx512bf16")
     return flags
 
 
