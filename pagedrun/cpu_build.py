@@ -3,7 +3,8 @@
 Each source is compiled on first use with the system C++ compiler into
 $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
 in a temporary directory and published with an atomic rename, so concurrent processes never load a
-half-written library. The .so is built per machine (-mavx2 -mfma -mf16c only when this CPU has them).
+half-written library. The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
+-mavx512bf16, each only when this CPU has them).
 
 No torch extension machinery: the libraries take raw data pointers and int64 sizes, so each builds in
 about a second and needs nothing but g++ (or $PAGEDRUN_CXX).
