@@ -5,10 +5,9 @@ orders the change; the changes return the block moves that CacheEngine must perf
 pairs, swap mappings). Every operation checks before it touches anything, so an operation that
 cannot complete raises NoFreeBlocksError with every structure unchanged (seed 001's rule).
 
-Prefix caching follows vLLM v1: full blocks are registered under chained hashes once their KV has
-been computed (cache_blocks); a new prompt takes matching blocks by reference (touch), including
-blocks that are free but still hashed. A prompt that is entirely cached still recomputes its last
-token, because the step has to produce logits for it: hits are capped at len(prompt) - 1 tokens.
+Prefix caching follows vLLM v1 (kv/prefix_cache.py): full blocks are registered under chained
+hashes once their KV has been computed; a new prompt takes matching blocks by reference. The
+invariants and the state snapshot live in kv/invariants.py, the counters in kv/stats.py.
 
 Swap follows vLLM v0 (the seeds): a request's sequences move to a second BlockPool (CPU, no
 caching) together, and a block shared by several of them moves once and stays shared.
@@ -17,51 +16,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
+from pagedrun.kv import invariants
 from pagedrun.kv.block_pool import BlockPool, InvariantError, KVCacheBlock, NoFreeBlocksError
 from pagedrun.kv.block_table import BlockTable
 from pagedrun.kv.hashing import HashFn, hash_block_tokens
+from pagedrun.kv.prefix_cache import CacheProgress, cache_blocks, find_longest_cache_hit
+from pagedrun.kv.stats import KVStats
 
 __all__ = ["KVCacheManager", "KVStats", "NoFreeBlocksError", "InvariantError"]
-
-
-@dataclass
-class KVStats:
-    """Cumulative counters (never reset by the manager); the report reads them."""
-
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache by allocate()
-    prefix_hit_tokens: int = 0  # of those, tokens whose KV was reused
-    cow_copies: int = 0  # blocks copied on write
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
-    evictions: int = 0  # cached blocks whose entry was dropped to reuse the block
-    allocations: int = 0  # sequences admitted by allocate()
-    allocated_blocks: int = 0  # fresh GPU blocks taken from the free queue (any reason)
-    forks: int = 0
-    frees: int = 0
-    peak_used_gpu_blocks: int = 0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-
-@dataclass
-class _CacheProgress:
-    """How far cache_blocks() got along one table: blocks [0, num_cached_blocks) are done."""
-
-    num_cached_blocks: int = 0
-    parent_hash: Any = None  # chained hash of block num_cached_blocks - 1
-    # The cache entry holding that block (ours, or an identical one computed by someone else) and
-    # its cache_id when we chained to it: if the entry is evicted meanwhile the chain is broken.
-    parent_block: Optional[KVCacheBlock] = None
-    parent_cache_id: Optional[int] = None
-    broken: bool = False  # a collision or a lost parent: nothing further can be registered
-
-    def copy(self) -> "_CacheProgress":
-        return replace(self)
 
 
 class KVCacheManager:
@@ -91,7 +55,7 @@ class KVCacheManager:
         self.stats = KVStats()
         self._tables: dict[int, BlockTable] = {}
         self._swapped: set[int] = set()  # seq_ids whose table points into cpu_pool
-        self._progress: dict[int, _CacheProgress] = {}
+        self._progress: dict[int, CacheProgress] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -146,26 +110,9 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix cache
     def _find_cached_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any]]:
-        """Leading prefix-cache hits (blocks and their chained hashes); changes nothing."""
         if not self.enable_prefix_caching:
             return [], []
-        bs = self.block_size
-        # Cap: the last prompt token is always computed, so hits cover at most len-1 tokens.
-        max_blocks = (len(token_ids) - 1) // bs
-        hits: list[KVCacheBlock] = []
-        hashes: list[Any] = []
-        parent_hash = None
-        parent: Optional[KVCacheBlock] = None
-        for i in range(max_blocks):
-            blk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = self.hash_fn(parent_hash, blk, None)
-            block = self.gpu_pool.get_cached_block(h, blk, parent)
-            if block is None:
-                break
-            hits.append(block)
-            hashes.append(h)
-            parent_hash, parent = h, block
-        return hits, hashes
+        return find_longest_cache_hit(self.gpu_pool, self.hash_fn, self.block_size, token_ids)
 
     def get_num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         hits, _ = self._find_cached_blocks(token_ids)
@@ -178,50 +125,8 @@ class KVCacheManager:
         table = self._table(seq_id)
         if seq_id in self._swapped:
             return
-        prog = self._progress[seq_id]
-        if prog.broken:
-            return
-        bs = self.block_size
-        pool = self.gpu_pool
-        num_full = min(num_computed_tokens, len(token_ids), table.num_tokens) // bs
-        for i in range(prog.num_cached_blocks, num_full):
-            parent = prog.parent_block
-            if parent is not None and parent.cache_id != prog.parent_cache_id:
-                prog.broken = True  # the entry we chained to was evicted: the chain cannot grow
-                return
-            blk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = self.hash_fn(prog.parent_hash, blk, None)
-            block = pool.blocks[table.block_ids[i]]
-            parent_id = parent.cache_id if parent is not None else None
-            if block.block_hash is not None:
-                # A prefix hit, or a fork sibling sharing this block registered it first.
-                if block.block_hash != h or block.token_ids != blk or block.parent_cache_id != parent_id:
-                    prog.broken = True
-                    return
-                entry = block
-            else:
-                entry = pool.get_cached_block(h, blk, parent)
-                if entry is None:
-                    self._drop_stale_free_entry(h)
-                    if not pool.cache_full_block(block, h, blk, parent):
-                        prog.broken = True  # the hash belongs to a different prefix still in use
-                        return
-                    entry = block
-                # else: an identical block computed concurrently already holds the entry; ours
-                # stays unhashed (freed to the front) and the chain continues through that entry.
-            prog.num_cached_blocks = i + 1
-            prog.parent_hash = h
-            prog.parent_block = entry
-            prog.parent_cache_id = entry.cache_id
-
-    def _drop_stale_free_entry(self, block_hash: Any) -> None:
-        """An entry for this hash that did not match is a collision or an orphan (its parent was
-        evicted). If nobody holds it, our fresh block is the more useful entry: drop the old one."""
-        old = self.gpu_pool.cached_block_hash_to_block.get(block_hash)
-        if old is None or old.ref_cnt != 0:
-            return
-        self.gpu_pool.evict_free_block(old)
-        self._sync_evictions()
+        cache_blocks(self.gpu_pool, self.hash_fn, table, self._progress[seq_id], token_ids, num_computed_tokens)
+        self._sync_evictions()  # a stale entry may have been dropped for ours
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cache entry held by a free block; returns how many were dropped."""
@@ -258,9 +163,9 @@ class KVCacheManager:
         new_blocks = self._get_new_gpu_blocks(num_new)
         table = BlockTable(self.block_size, [b.block_id for b in hits + new_blocks], len(token_ids))
         self._tables[seq_id] = table
-        prog = _CacheProgress()
+        prog = CacheProgress()
         if hits:
-            prog = _CacheProgress(len(hits), hashes[-1], hits[-1], hits[-1].cache_id)
+            prog = CacheProgress(len(hits), hashes[-1], hits[-1], hits[-1].cache_id)
         self._progress[seq_id] = prog
         num_cached = len(hits) * self.block_size
         if self.enable_prefix_caching:
@@ -372,7 +277,7 @@ class KVCacheManager:
         for sid in seq_ids:
             self._swapped.discard(sid)
             # The GPU copies are fresh, unhashed blocks: let cache_blocks register them again.
-            self._progress[sid] = _CacheProgress()
+            self._progress[sid] = CacheProgress()
         self.stats.swap_in_blocks += len(unique)
         return mapping
 
@@ -417,58 +322,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Raise InvariantError naming the first violated invariant (see ARCHITECTURE.md)."""
-        gpu_holders: Counter[int] = Counter()
-        cpu_holders: Counter[int] = Counter()
-        for sid, table in self._tables.items():
-            if table.block_size != self.block_size:
-                raise InvariantError(f"table shape: seq {sid} has block_size {table.block_size}")
-            if len(table.block_ids) != table.num_blocks_for(table.num_tokens):
-                raise InvariantError(
-                    f"table shape: seq {sid} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens"
-                )
-            if len(set(table.block_ids)) != len(table.block_ids):
-                raise InvariantError(f"table shape: seq {sid} holds a block twice: {table.block_ids}")
-            swapped = sid in self._swapped
-            limit = self.num_cpu_blocks if swapped else self.num_gpu_blocks
-            for b in table.block_ids:
-                if not 0 <= b < limit:
-                    raise InvariantError(f"table shape: seq {sid} block {b} outside its pool")
-            (cpu_holders if swapped else gpu_holders).update(table.block_ids)
-            if sid not in self._progress:
-                raise InvariantError(f"bookkeeping: seq {sid} has no cache progress")
-        if not self._swapped <= set(self._tables):
-            raise InvariantError(f"bookkeeping: swapped seqs without tables {self._swapped - set(self._tables)}")
-        if set(self._progress) != set(self._tables):
-            raise InvariantError("bookkeeping: cache progress and tables disagree")
-        self.gpu_pool.check_invariants(dict(gpu_holders))
-        self.cpu_pool.check_invariants(dict(cpu_holders))
-        for block in self.gpu_pool.blocks:
-            if block.token_ids is not None and len(block.token_ids) != self.block_size:
-                raise InvariantError(f"hash map: hashed block {block.block_id} is not full")
-        if self.cpu_pool.cached_block_hash_to_block:
-            raise InvariantError("hash map: the CPU pool must not cache")
+        """Raise InvariantError naming the first violated invariant (see docs/architecture.md)."""
+        invariants.check_invariants(self._tables, self._swapped, self._progress, self.gpu_pool, self.cpu_pool,
+                                    self.block_size)
 
     def snapshot(self) -> tuple:
         """Every piece of state, as plain comparable values (tests assert failed ops change nothing)."""
-
-        def pool_state(pool: BlockPool) -> tuple:
-            return (
-                tuple(
-                    (b.block_id, b.ref_cnt, b.block_hash, b.token_ids, b.cache_id, b.parent_cache_id)
-                    for b in pool.blocks
-                ),
-                tuple(b.block_id for b in pool.free_block_queue),
-                tuple(sorted((repr(k), b.block_id) for k, b in pool.cached_block_hash_to_block.items())),
-                pool.num_free_blocks,
-                pool.num_cached_free_blocks,
-                pool.num_evictions,
-            )
-
-        tables = tuple(
-            sorted(
-                (sid, tuple(t.block_ids), t.num_tokens, sid in self._swapped, repr(self._progress[sid]))
-                for sid, t in self._tables.items()
-            )
-        )
-        return pool_state(self.gpu_pool), pool_state(self.cpu_pool), tables, tuple(asdict(self.stats).items())
+        return invariants.snapshot(self._tables, self._swapped, self._progress, self.gpu_pool, self.cpu_pool,
+                                   self.stats)
