@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedrun.cli import app
+from ray_faults import CRASH_FILE_ENV, CrashingReplica, PoisonedReplica
 from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +52,13 @@ def job(tmp_path_factory):
 def cluster(job):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    from pagedrun.distributed.replica import FAULT_FILE_ENV
-
-    # Workers inherit the driver's environment: they must find pagedrun, keep torch on one thread,
-    # and see the crash hook's file (armed only by the test that wants a crash).
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS", FAULT_FILE_ENV)}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    # Workers inherit the driver's environment: they must find pagedrun and tests/ray_faults.py,
+    # keep torch on one thread, and see the crash file's path (armed only by the test that wants a
+    # crash, which also points the driver at CrashingReplica).
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS", CRASH_FILE_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), saved["PYTHONPATH"]) if p)
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ[FAULT_FILE_ENV] = str(job["root"] / "crash-after-batches")
+    os.environ[CRASH_FILE_ENV] = str(job["root"] / "crash-after-batches")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -133,7 +133,7 @@ def test_ray_run_equals_local_run(job, ray_run):
 
 
 @pytest.mark.slow
-def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path):
+def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path, monkeypatch):
     """Resume from a partial output, and one replica dies (os._exit) in its second batch: Ray
     restarts it and retries the batch; every request ends up answered exactly once."""
     from pagedrun.io.outputs import meta_path
@@ -147,6 +147,7 @@ def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path):
 
     fault = job["root"] / "crash-after-batches"
     fault.write_text("1")
+    monkeypatch.setattr("pagedrun.distributed.driver.EngineReplica", CrashingReplica)
     try:
         res = generate(job, out, "--ray", "--replicas", "2")
         assert res.exit_code == 0, res.output
@@ -195,23 +196,22 @@ def _batch(requests):
             "sampling": np.array([json.dumps(r.sampling.to_dict()) for r in requests], dtype=object)}
 
 
-def test_replica_isolates_a_failing_request(job, monkeypatch):
+def test_replica_isolates_a_failing_request(job):
     """A request whose run raises (every time) becomes an error record; the rest of its batch is
     answered as usual, and the replica's counters are kept."""
     import pickle
 
     import torch
 
-    from pagedrun.distributed.replica import POISON_ID_ENV, EngineReplica
     from pagedrun.engine.llm import LLM
 
     llm = LLM(job["recipe"])
     requests, _ = llm.read_requests(job["prompts"])
     batch = requests[:4]
-    monkeypatch.setenv(POISON_ID_ENV, batch[2].id)
     before = torch.get_num_threads()
     try:
-        replica = EngineReplica(job["recipe"])
+        replica = PoisonedReplica(job["recipe"])
+        replica.poison_id = batch[2].id
         out = replica(_batch(batch))
     finally:
         torch.set_num_threads(before)

@@ -8,17 +8,9 @@ import pickle
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pagedrun.errors import PagedrunError
-
-# Test hook: a file holding an integer N; the first replica to start its (N+1)-th batch while the
-# file exists removes it and kills its own process mid-batch (os._exit), as an OOM kill would.
-FAULT_FILE_ENV = "PAGEDRUN_RAY_CRASH_FILE"
-# Test hook: a request id whose run raises inside the replica, every time.
-POISON_ID_ENV = "PAGEDRUN_RAY_POISON_ID"
-
 
 class EngineReplica:
     """A Ray Data map_batches callable class: one pagedrun engine per actor, reused across batches.
@@ -69,7 +61,6 @@ class EngineReplica:
             _Req(str(rid), [int(t) for t in ids], SamplingParams(**json.loads(s)))
             for rid, ids, s in zip(batch["id"], batch["prompt_token_ids"], batch["sampling"])
         ]
-        _maybe_crash(self.batches)
         try:
             outs = self._run(requests)
         except Exception:
@@ -112,9 +103,6 @@ class EngineReplica:
             self._new_engine()
 
     def _run(self, requests: list[_Req]) -> list:
-        poison = os.environ.get(POISON_ID_ENV)
-        if poison is not None and any(r.id == poison for r in requests):
-            raise RuntimeError(f"injected failure for request {poison} ({POISON_ID_ENV})")
         return self.llm.run(requests)
 
 
@@ -131,20 +119,6 @@ def error_output(r: _Req, message: str):
     from pagedrun.engine.engine import RequestOutput
 
     return RequestOutput(r.id, 0, list(r.prompt_token_ids), [], error=message)
-
-
-def _maybe_crash(batch_number: int) -> None:
-    path = os.environ.get(FAULT_FILE_ENV)
-    if not path:
-        return
-    try:
-        after = int(Path(path).read_text().strip() or 0)
-        if batch_number <= after:
-            return
-        os.unlink(path)  # only one replica wins the unlink
-    except (OSError, ValueError):
-        return
-    os._exit(17)
 
 
 def _node() -> str:
