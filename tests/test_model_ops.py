@@ -2,7 +2,7 @@
 references and against their torch fallback, on random data (never zeros).
 
 Greedy equality with HF through the whole model is tests/test_models.py and tests/test_engine.py;
-these tests pin each op down on its own: odd shapes (N not a multiple of the 16-column panel, K not a
+these tests pin each op down on its own: odd shapes (N not a multiple of the 16/32-column panel, K not a
 multiple of 8 or over one panel slice, 1-7 rows and more than one L2 chunk of rows), strided rows,
 bias, the in-place residual contract, the fallbacks.
 """
@@ -69,6 +69,29 @@ def test_linear_packed_strided_rows_threads_and_fallback(kern):
     assert ops.linear_packed(x[:0], packed, b, 301).shape == (0, 301)
 
 
+def test_linear_packed_is_bit_identical_at_every_vector_width(kern):
+    """The GEMM is width-generic (16 floats with AVX-512, 8 otherwise): each lane sums one output
+    column over k in order, so the 8-wide build (forced with PR_GEMM_VEC8) gives the same bits as the
+    build this machine loads, whatever that is. On an AVX2-only machine both are the 8-wide kernel."""
+    from pagedrun import cpu_build
+
+    narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
+    assert narrow.panel == 16 and kern.panel in (16, 32)
+    g = _gen(11)
+    for m, n, k in [(1, 1000, 577), (13, 96, 1100), (64, 333, 64)]:
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+        outs = []
+        for lib in (kern, narrow):
+            panels = -(-n // lib.panel)
+            packed = F.pad(w, (0, 0, 0, panels * lib.panel - n)).view(panels, lib.panel, k).transpose(1, 2).contiguous()
+            out = torch.empty(m, n)
+            assert lib.lib.linear_packed_f32(x.data_ptr(), packed.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k,
+                                             k, n, 2) == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert (outs[0].double() - (x.double() @ w.double().T + b.double())).abs().max().item() < 4e-6 * k**0.5
+
+
 def test_model_linears_are_packed_after_loading(kern):
     from pagedrun.models.llama import Linear
 
@@ -80,7 +103,7 @@ def test_model_linears_are_packed_after_loading(kern):
     x = torch.randn(9, 96, generator=g)
     want = F.linear(x, lin.weight, lin.bias)
     lin.process_weights_after_loading()
-    assert lin.weight.shape == (3, 96, kern.panel)
+    assert lin.weight.shape == (-(-40 // kern.panel), 96, kern.panel)
     torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=0)
 
 
@@ -190,7 +213,7 @@ def test_packed_embedding_table_looks_up_the_same_rows(kern):
     want = emb(ids)
     table = emb.weight.data
     emb.weight.data = ops.pack_weight(table)
-    assert emb.weight.shape == (3, 24, kern.panel)
+    assert emb.weight.shape == (-(-37 // kern.panel), 24, kern.panel)
     assert torch.equal(emb(ids), want)
     # As the tied LM head: the same product as the unpacked table.
     h = torch.randn(5, 24, generator=g)

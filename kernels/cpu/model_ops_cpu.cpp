@@ -2,16 +2,16 @@
 // elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
 //
 // Built and loaded like paged_attention_cpu.cpp (pagedrun/cpu_build.py: g++ -O3 -fopenmp -shared,
-// -mavx2 -mfma when the machine has them; ctypes, raw pointers, no torch headers). Every function
-// returns 0, or a negative status before writing anything when an argument is out of range; the
+// -mavx2 -mfma and -mavx512* when the machine has them; ctypes, raw pointers, no torch headers).
+// Every function returns 0, or a negative status before writing anything when an argument is out of range; the
 // Python side (pagedrun/models/ops.py) then falls back to torch.
 //
 // Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
 // rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
 // ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause).
-// Our weights never change, so they are packed once after loading, in 16-column panels (BLIS's
-// microkernel shape, below), and linear_packed_f32 runs every product of the model on them, decode
-// and prefill alike. It is deterministic and independent of the thread count.
+// Our weights never change, so they are packed once after loading, in panels of two vectors of
+// columns (32 with AVX-512, 16 otherwise; BLIS's microkernel shape, below), and linear_packed_f32
+// runs every product of the model on them, decode and prefill alike. It is deterministic and independent of the thread count.
 //
 // Numerics follow transformers' op order (built with -ffp-contract=off and no -ffast-math, so a*b+c
 // rounds twice, as torch's elementwise kernels do): RMSNorm multiplies x by 1/sqrt(mean(x^2) + eps)
@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -32,32 +32,53 @@
 
 namespace {
 
-// c + a * b with one rounding where the CPU has FMA (the GEMM's inner loop), two otherwise.
-inline v8f fma8(v8f a, v8f b, v8f c) {
+// ---- the GEMM's vector: 16 floats with AVX-512, else 8 (PR_GEMM_VEC8 forces 8 for the tests) ----
+//
+// One width-generic kernel below; only the register file differs. MR rows of x times a panel of
+// two vectors is 2 * MR accumulators + 2 weight vectors + 1 broadcast: MR = 6 fills the 16 AVX
+// registers (the BLIS microkernel's shape), MR = 12 fits the 32 AVX-512 registers with 5 to spare.
+// Each lane accumulates one output column over k in order, so the result is bit-identical whatever
+// the width (tests/test_model_ops.py builds both and compares them).
+#if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
+constexpr int kVec = 16;
+constexpr int kTileM = 12;
+typedef float vgf __attribute__((vector_size(64)));
+typedef float vgfu __attribute__((vector_size(64), aligned(4), may_alias));
+inline vgf fma_v(vgf a, vgf b, vgf c) { return (vgf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vgf broadcast_v(float x) { return (vgf)_mm512_set1_ps(x); }
+#else
+constexpr int kVec = 8;
+constexpr int kTileM = 6;
+typedef v8f vgf;
+typedef v8fu vgfu;
+// c + a * b with one rounding where the CPU has FMA, two otherwise.
+inline vgf fma_v(vgf a, vgf b, vgf c) {
 #if defined(__FMA__)
-  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+  return (vgf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
   return c + a * b;
 #endif
 }
+inline vgf broadcast_v(float x) { return broadcast8(x); }
+#endif
+inline vgf load_v(const float* p) { return *reinterpret_cast<const vgfu*>(p); }
+inline void store_v(float* p, vgf x) { *reinterpret_cast<vgfu*>(p) = x; }
 
 // ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w packed ----
 //
 // The model's Linear weights are repacked once after loading (pagedrun.models.ops.pack_weight) into
-// panels of kPanel output columns: packed[q][k][j] = w[q * kPanel + j][k], zero-padded past N. A
-// panel's row k is one 64-byte line holding column block q's weights for input k, so a tile of MR
-// rows of x times the panel is an outer product per k: two vector loads of weights, MR broadcasts of
-// x, 2 * MR FMAs into 2 * MR accumulators (MR = 6: 12 accumulators + 2 weights + 1 broadcast = 15 of
-// the 16 AVX registers, the BLIS microkernel's shape). Panels stream contiguously from memory, so the
-// hardware prefetcher follows them, and each panel slice (kKc rows of k, 32 KiB) stays in L1 while
+// panels of kPanel = 2 vectors of output columns: packed[q][k][j] = w[q * kPanel + j][k], zero-padded
+// past N. A panel's row k holds column block q's weights for input k, so a tile of MR rows of x times
+// the panel is an outer product per k: two vector loads of weights, MR broadcasts of x, 2 * MR FMAs
+// into 2 * MR accumulators. Panels stream contiguously from memory, so the hardware prefetcher
+// follows them, and each panel slice (kKc rows of k, 16 KiB) stays in L1 beside a tile of x while
 // every row tile of x passes over it. Each output element is one sum over k in increasing order
 // (continued across k-slices through the output itself), so results do not depend on the thread
-// count or on the blocking.
+// count, the blocking or the vector width.
 
-constexpr int kPanel = 16;
-constexpr int kTileM = 6;
-constexpr int64_t kKc = 512;               // k rows of a panel slice: 512 x 64 B = 32 KiB
-constexpr int64_t kXBytesInL2 = 256 * 1024;  // rows of x kept hot in L2 while all panels pass by
+constexpr int kPanel = 2 * kVec;
+constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
+constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
 
 // MR rows of x (row stride ldx) times panel rows [k0, k1) into c (row stride ldc): started from
 // zero when `first`, else continued from c; bias added when given (the last slice). `prefetch`:
@@ -66,41 +87,40 @@ template <int MR>
 inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0,
                         int64_t k1, float* __restrict c, int64_t ldc, bool first, const float* bias,
                         const float* prefetch) {
-  v8f acc[MR][2];
+  vgf acc[MR][2];
   for (int i = 0; i < MR; ++i) {
-    acc[i][0] = first ? v8f{} : load8(c + i * ldc);
-    acc[i][1] = first ? v8f{} : load8(c + i * ldc + 8);
+    acc[i][0] = first ? vgf{} : load_v(c + i * ldc);
+    acc[i][1] = first ? vgf{} : load_v(c + i * ldc + kVec);
   }
 #pragma GCC unroll 4
   for (int64_t k = k0; k < k1; ++k) {
-    if (prefetch) __builtin_prefetch(prefetch + (k - k0) * kPanel);
-    const v8f w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+    if (prefetch) {
+      for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(prefetch + (k - k0) * kPanel + line / 4);
+    }
+    const vgf w0 = load_v(panel + k * kPanel), w1 = load_v(panel + k * kPanel + kVec);
     for (int i = 0; i < MR; ++i) {
-      const v8f xv = broadcast8(x[i * ldx + k]);
-      acc[i][0] = fma8(xv, w0, acc[i][0]);
-      acc[i][1] = fma8(xv, w1, acc[i][1]);
+      const vgf xv = broadcast_v(x[i * ldx + k]);
+      acc[i][0] = fma_v(xv, w0, acc[i][0]);
+      acc[i][1] = fma_v(xv, w1, acc[i][1]);
     }
   }
   for (int i = 0; i < MR; ++i) {
     if (bias) {
-      acc[i][0] += load8(bias);
-      acc[i][1] += load8(bias + 8);
+      acc[i][0] += load_v(bias);
+      acc[i][1] += load_v(bias + kVec);
     }
-    store8(c + i * ldc, acc[i][0]);
-    store8(c + i * ldc + 8, acc[i][1]);
+    store_v(c + i * ldc, acc[i][0]);
+    store_v(c + i * ldc + kVec, acc[i][1]);
   }
 }
 
+template <int MR>
 inline void packed_tile_rows(int mr, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
                              float* c, int64_t ldc, bool first, const float* bias, const float* prefetch) {
-  switch (mr) {
-    case 6: return packed_tile<6>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
-    case 5: return packed_tile<5>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
-    case 4: return packed_tile<4>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
-    case 3: return packed_tile<3>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
-    case 2: return packed_tile<2>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
-    default: return packed_tile<1>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+  if constexpr (MR > 1) {
+    if (mr < MR) return packed_tile_rows<MR - 1>(mr, x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
   }
+  packed_tile<MR>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
 }
 
 // All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice. The last panel
@@ -119,13 +139,13 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
       const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
       float* c = out + m * ldo + n0;
       if (cols == kPanel) {
-        packed_tile_rows(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first, last && bias ? bias + n0 : nullptr,
-                         prefetch);
+        packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first,
+                                 last && bias ? bias + n0 : nullptr, prefetch);
         continue;
       }
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < kPanel; ++j) scratch[i * kPanel + j] = !first && j < cols ? c[i * ldo + j] : 0.0f;
-      packed_tile_rows(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch);
+      packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch);
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < cols; ++j)
           c[i * ldo + j] = scratch[i * kPanel + j] + (last && bias ? bias[n0 + j] : 0.0f);

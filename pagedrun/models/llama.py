@@ -46,7 +46,7 @@ class Linear(nn.Linear):
 class VocabEmbedding(nn.Embedding):
     """nn.Embedding whose table may be packed like a Linear weight ([V / 16, H, 16]): with tied
     embeddings the table is also the LM head, and the head's GEMM wants it packed. A lookup then
-    gathers token v's row from its panel: packed[v // 16, :, v % 16], the same values."""
+    gathers token v's row from its panel: packed[v // panel, :, v % panel], the same values."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 3:

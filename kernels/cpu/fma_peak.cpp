@@ -1,0 +1,97 @@
+// The machine's arithmetic roof, measured: `pagedrun bench` divides useful FLOP/s by it.
+//
+// A register-only loop of independent multiply-add chains at the widest vector the build has
+// (pagedrun/cpu_build.py: AVX-512 where the CPU has it, else AVX2 + FMA, else plain SSE through GCC
+// vector extensions). No memory traffic, so it is the FMA ports alone: the best any kernel built the
+// same way could do. 12 chains cover an FMA latency of 4-6 cycles on two ports (a chain must not wait
+// for its previous result). The bf16 roof uses vdpbf16ps (2 products per fp32 lane per instruction)
+// where the build has avx512_bf16, else it is the fp32 roof: that is the arithmetic a bf16 model's
+// matmuls then run on.
+
+#include <cstdint>
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define PR_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+constexpr int kChains = 12;
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+typedef __m512 vec;
+inline vec splat(float x) { return _mm512_set1_ps(x); }
+inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lanes_sum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__FMA__)
+constexpr int kLanes = 8;
+typedef __m256 vec;
+inline vec splat(float x) { return _mm256_set1_ps(x); }
+inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lanes_sum(vec v) {
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+#else
+constexpr int kLanes = 4;
+typedef float vec __attribute__((vector_size(16)));
+inline vec splat(float x) { return vec{x, x, x, x}; }
+inline vec fma(vec a, vec b, vec c) { return a * b + c; }  // two instructions: counted as one FMA each
+inline float lanes_sum(vec v) { return v[0] + v[1] + v[2] + v[3]; }
+#endif
+
+// acc = acc * m + a converges (|m| < 1), so no chain overflows however long it runs.
+float fp32_chains(int64_t iters, float seed) {
+  vec acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = splat(seed + j);
+  const vec m = splat(0.999f), a = splat(1e-3f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < kChains; ++j) acc[j] = fma(acc[j], m, a);
+  }
+  float s = 0;
+  for (int j = 0; j < kChains; ++j) s += lanes_sum(acc[j]);
+  return s;
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+float bf16_chains(int64_t iters, float seed) {
+  __m512 acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(seed + j);
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  }
+  float s = 0;
+  for (int j = 0; j < kChains; ++j) s += _mm512_reduce_add_ps(acc[j]);
+  return s;
+}
+#else
+constexpr bool kHasBf16Dot = false;
+float bf16_chains(int64_t iters, float seed) { return fp32_chains(iters, seed); }
+#endif
+}  // namespace
+
+// fp32 lanes per vector of this build (16: AVX-512, 8: AVX2 + FMA, 4: neither).
+PR_EXPORT int fma_peak_lanes() { return kLanes; }
+// 1 when bf16 dot products (vdpbf16ps) are what the bf16 roof measures.
+PR_EXPORT int fma_peak_has_bf16_dot() { return kHasBf16Dot ? 1 : 0; }
+
+// Runs `iters` rounds of the chains on each of `num_threads` threads; returns the floating-point
+// operations done (the caller times the call), or -1 for a bad argument. `sink` receives a value
+// that depends on every chain, so the compiler cannot drop the work.
+PR_EXPORT double fma_peak_run(int64_t iters, int num_threads, int bf16, float* sink) {
+  if (iters <= 0 || num_threads < 1) return -1;
+  float total = 0;
+#pragma omp parallel for num_threads(num_threads) reduction(+ : total) schedule(static, 1)
+  for (int t = 0; t < num_threads; ++t) total += bf16 ? bf16_chains(iters, float(t)) : fp32_chains(iters, float(t));
+  if (sink) *sink = total;
+  const double per_round = double(kChains) * kLanes * 2 * (bf16 && kHasBf16Dot ? 2 : 1);
+  return per_round * double(iters) * num_threads;
+}
