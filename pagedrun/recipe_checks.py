@@ -1,0 +1,150 @@
+"""The recipe's schema: one check per key, and the size syntax ('2GiB') they accept.
+
+Each check returns the normalised value or raises InvalidValue("must be ..."); recipe.py adds where
+the value came from. The sampling section reuses sampling_params' checks, so a bad value reads the
+same in a recipe and in a prompts line.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from pagedrun.sampling_params import (
+    FIELD_NAMES as SAMPLING_FIELDS,
+    InvalidValue,
+    bool_check,
+    check_field as check_sampling_field,
+    float_check,
+    int_check,
+    is_int,
+    optional,
+)
+
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct
+BLOCK_SIZES = (8, 16, 32)  # the block sizes the CUDA kernels are compiled for
+DEFAULT_CPU_KV_FRACTION = 0.25  # used when cache.kv_cache_memory is null
+MIN_KV_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------- sizes
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(i?)b?|b?)\s*$", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648. KiB/MiB/GiB/TiB and bare K/M/G/T are powers of 1024; KB/MB/GB/TB of 1000.
+
+    Raises ValueError for anything else.
+    """
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"not a size like '2GiB' or '512MiB': {text!r}")
+    number, unit, binary = m.group(1), m.group(2), m.group(3)
+    if unit is None:
+        base = 1
+    else:
+        decimal = text.strip().lower().endswith("b") and not binary
+        base = (1000 if decimal else 1024) ** _POWERS[unit.lower()]
+    return int(float(number) * base) if "." in number else int(number) * base
+
+
+# ---------------------------------------------------------------- per-key checks
+# Each returns the normalised value or raises InvalidValue("must be ..."). `base` is the directory
+# relative model paths resolve against (the recipe's directory, or the CWD for --set).
+
+def _choice(options: Iterable[Any], aliases: dict[str, str] | None = None) -> Callable[[Any], Any]:
+    options = tuple(options)
+    listed = ", ".join(str(o) for o in options)
+
+    def check(v: Any) -> Any:
+        if aliases and isinstance(v, str) and v.lower() in aliases:
+            v = aliases[v.lower()]
+        if all(is_int(o) for o in options) and not is_int(v):
+            raise InvalidValue(f"must be an integer (one of {listed})")
+        if v not in options or isinstance(v, bool):
+            raise InvalidValue(f"must be one of {listed}")
+        return v
+    return check
+
+
+def _kv_cache_memory(v: Any) -> int | float | None:
+    msg = (f"must be a fraction 0 < x <= 1 of available memory, a size like '2GiB', "
+           f"or a number of bytes >= {MIN_KV_BYTES}")
+    if v is None:
+        return None
+    if isinstance(v, float):
+        if not 0 < v <= 1:
+            raise InvalidValue(msg)
+        return v
+    if isinstance(v, str):
+        try:
+            v = parse_size(v)
+        except ValueError:
+            raise InvalidValue(msg) from None
+    # An int is bytes: `kv_cache_memory: 1` is far more likely a fraction written without ".0".
+    if not is_int(v) or v < MIN_KV_BYTES:
+        raise InvalidValue(msg)
+    return v
+
+
+def _non_empty_str(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise InvalidValue("must be a non-empty string")
+    return v
+
+
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
+    "model": {
+        "path": _non_empty_str,  # resolved in model_path
+        "dtype": _choice(("float32", "bfloat16", "float16"), _DTYPE_ALIASES),
+        "max_model_len": optional(int_check(lo=16)),
+        "device": _choice(("auto", "cpu", "cuda")),
+        "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
+        "threads": optional(int_check(lo=1)),
+    },
+    "cache": {
+        "block_size": _choice(BLOCK_SIZES),
+        "kv_cache_memory": _kv_cache_memory,
+        "gpu_memory_utilization": float_check("a number in (0, 1]", lambda x: 0 < x <= 1),
+        "num_blocks": optional(int_check(lo=1)),
+        "swap_space": float_check("a number of GiB >= 0", lambda x: x >= 0),
+        "enable_prefix_caching": bool_check,
+        "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
+    },
+    "scheduler": {
+        "max_num_seqs": int_check(lo=1),
+        "max_num_batched_tokens": int_check(lo=1),
+        "preemption_mode": _choice(("recompute", "swap")),
+    },
+    "sampling": {name: (lambda v, name=name: check_sampling_field(name, v)) for name in SAMPLING_FIELDS},
+    "output": {
+        "fsync_interval_s": float_check("a number of seconds >= 0", lambda x: x >= 0),
+        "report": bool_check,
+    },
+    "distributed": {
+        "address": optional(_non_empty_str),
+        "replicas": optional(int_check(lo=1)),
+    },
+    "": {"seed": int_check(lo=0, hi=2**64 - 1, desc="an integer in 0..2**64-1")},
+}
+
+
+def model_path(v: str, base: Path) -> str:
+    if v == DEFAULT_MODEL:
+        return v
+    p = Path(v).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not p.exists():
+        raise InvalidValue(f'must be "{DEFAULT_MODEL}" or an existing model directory; {p} does not exist')
+    return str(p.resolve())
+
+
+def did_you_mean(key: Any, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
