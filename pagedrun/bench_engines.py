@@ -123,7 +123,8 @@ def _load_hf(spec: dict):
     from transformers import AutoModelForCausalLM
 
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=getattr(torch, spec["dtype"]))
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=getattr(torch, spec["dtype"]),
+                                                 trust_remote_code=False)
     model = model.to(spec["device"]).eval()
     # EOS is handled per request after the fact: generating past an EOS never changes earlier tokens.
     model.generation_config.eos_token_id = None

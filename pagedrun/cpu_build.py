@@ -3,7 +3,8 @@
 Each source is compiled on first use with the system C++ compiler into
 $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
 in a temporary directory and published with an atomic rename, so concurrent processes never load a
-half-written library. The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
+half-written library; a cached library is loaded only if this user built it and it is unchanged
+(pagedrun/build_cache.py). The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
 -mavx512bf16, each only when this CPU has them).
 
 No torch extension machinery: the libraries take raw data pointers and int64 sizes, so each builds in
@@ -14,12 +15,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from pagedrun.build_cache import remove_stale_builds
+from pagedrun.build_cache import CacheError, build_once, private_dir
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 # -fno-trapping-math lets g++ if-convert selects (no result changes, only FP-exception assumptions);
@@ -28,11 +27,6 @@ KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 # -ffp-contract=off through build()'s extra_flags.
 BASE_FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
               "-Wno-psabi"]
-
-
-def cache_root() -> Path:
-    base = os.environ.get("PAGEDRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedrun")
-    return Path(base) / "cpu_kernels"
 
 
 def compiler() -> str:
@@ -66,13 +60,36 @@ def disabled(env_var: str) -> bool:
 
 def load(env_var: str, source: Path, wrap, extra_flags: tuple[str, ...] = ()):
     """(wrap(library), None), or (None, why) when env_var turns the kernels off or building or
-    loading them fails (no compiler, compile error, unloadable .so): the caller falls back to torch."""
-    if disabled(env_var):
-        return None, f"disabled by {env_var}"
-    try:
-        return wrap(build(source, extra_flags)), None
-    except Exception as e:
-        return None, f"{type(e).__name__}: {e}"
+    loading them fails (no compiler, compile error, a cache that cannot be written or trusted,
+    unloadable .so): the caller falls back to torch. status() says it at start-up."""
+    lib, why = None, f"disabled by {env_var}"
+    if not disabled(env_var):
+        try:
+            lib, why = wrap(build(source, extra_flags)), None
+        except CacheError as e:
+            why = str(e)
+        except Exception as e:
+            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    _outcomes[source.stem] = why
+    return lib, why
+
+
+_outcomes: dict[str, str | None] = {}  # library (source stem) -> None when loaded, else why not
+
+
+def status() -> str | None:
+    """'on', 'off (<why>)' or 'partly off (<library>: <why>)' for the libraries load() was asked for,
+    None if it was asked for none (a GPU run)."""
+    if not _outcomes:
+        return None
+    off = {name: why for name, why in _outcomes.items() if why is not None}
+    if not off:
+        return "on"
+    off = {name: why if len(why) <= 300 else why[:297] + "..." for name, why in off.items()}
+    if len(off) == len(_outcomes) and len(set(off.values())) == 1:
+        return f"off ({next(iter(off.values()))})"
+    word = "off" if len(off) == len(_outcomes) else "partly off"
+    return f"{word} ({'; '.join(f'{name}: {why}' for name, why in sorted(off.items()))})"
 
 
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -90,25 +107,14 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     key = hashlib.sha256(b"\0".join([code, *headers, " ".join(flags).encode(), cxx.encode(),
                                       version.encode()])).hexdigest()
-    final = cache_root() / key[:32]
-    so = final / lib_name
-    if so.is_file():
-        return so
-    cache_root().mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(cache_root())
-    work = Path(tempfile.mkdtemp(prefix=f"{key[:32]}.tmp.", dir=cache_root()))
-    try:
+
+    def compile_into(work: Path) -> None:
         src = work / source.name
         src.write_bytes(code)
         res = subprocess.run([cxx, *flags, f"-I{source.parent}", str(src), "-o", str(work / lib_name)],
                              capture_output=True, text=True, cwd=work)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[-2000:]}")
-        try:
-            os.rename(work, final)  # atomic publish; a concurrent build of the same key may have won
-        except OSError:
-            if not so.is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return so
+
+    # Only a library this user built, unchanged since (build_cache.verify), is ever loaded.
+    return build_once(private_dir("cpu_kernels"), key[:32], compile_into) / lib_name

@@ -2,7 +2,8 @@
 
 Cache: $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cudaemu/<sha256>/module.so, keyed by the
 source, options, name expressions, sanitizer, compiler version and the emulator headers; files the
-source #includes are recorded with their hashes and checked on every load.
+source #includes are recorded with their hashes and checked on every load. A cached module is
+loaded only if this user built it and it is unchanged (pagedrun/build_cache.py).
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pagedrun.build_cache import remove_stale_builds
+from pagedrun.build_cache import CacheError, build_once, cache_base, private_dir
 from pagedrun.cudaemu.errors import EmuError
 from pagedrun.cudaemu.source import FoundKernel, find_kernels, rewrite
 
@@ -49,8 +48,8 @@ class BuiltModule:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("PAGEDRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedrun")
-    return Path(base) / "cudaemu"
+    """Where the modules normally go (build_cache.private_dir may pick `cudaemu-uid<uid>` instead)."""
+    return cache_base() / "cudaemu"
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,32 +154,20 @@ def build(
         [code, list(name_expressions), flags, sanitize, filename, _toolchain_fingerprint(), BASE_FLAGS]
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
-    final = cache_root() / key
-    meta_path = final / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if _deps_fresh(meta):
-            if "error" in meta:  # a compile error is cached too, as long as no included file changed
-                raise EmuError(meta["error"])
-            if (final / "module.so").is_file():
-                return BuiltModule(final / "module.so", dict(meta["kernels"]), final)
-        shutil.rmtree(final, ignore_errors=True)
 
-    cache_root().mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(cache_root())
-    work = Path(tempfile.mkdtemp(prefix=f"{key}.tmp.", dir=cache_root()))
-    try:
-        meta = _compile(work, code, name_expressions, flags, filename)
+    def fresh(entry: Path) -> bool:  # a compile error is cached too, as long as no included file changed
         try:
-            os.rename(work, final)  # atomic publish; a concurrent build of the same key may win
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-            shutil.rmtree(work, ignore_errors=True)
-            meta = json.loads((final / "meta.json").read_text())
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+            return _deps_fresh(json.loads((entry / "meta.json").read_text()))
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    try:
+        # Only a module this user built, unchanged since (build_cache.verify), is ever loaded.
+        final = build_once(private_dir("cudaemu"), key,
+                           lambda work: _compile(work, code, name_expressions, flags, filename), accept=fresh)
+    except CacheError as e:
+        raise EmuError(f"CUDA emulator cache: {e}") from None
+    meta = json.loads((final / "meta.json").read_text())
     if "error" in meta:
         raise EmuError(meta["error"])
     return BuiltModule(final / "module.so", dict(meta["kernels"]), final)

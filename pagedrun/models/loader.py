@@ -1,7 +1,8 @@
 """Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM.
 
 Weights are read with safetensors directly, tensor by tensor, and cast to the requested dtype while
-they are copied into place; transformers is used only for the tokenizer. Every problem a user can
+they are copied into place; transformers is used only for the tokenizer, with trust_remote_code=False,
+and a folder whose config.json or tokenizer_config.json names custom code (`auto_map`) is refused. Every problem a user can
 fix becomes a one-line PagedrunError naming the directory or file.
 """
 from __future__ import annotations
@@ -30,7 +31,18 @@ def read_config(model_dir: Path, max_model_len: int | None = None) -> ModelConfi
         data = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PagedrunError(f"{config_path}: cannot read JSON: {_one_line(e)}") from None
+    refuse_remote_code(config_path, data)
     return ModelConfig.from_hf_dict(data, source=str(config_path), max_model_len=max_model_len)
+
+
+def refuse_remote_code(path: Path, data: object) -> None:
+    """A config naming its own Python classes (`auto_map`) is refused: pagedrun never runs code from
+    a model folder (transformers would import it, or ask on a terminal hidden by the spinner)."""
+    if isinstance(data, dict) and "auto_map" in data:
+        names = data["auto_map"] if isinstance(data["auto_map"], dict) else {}
+        what = ", ".join(f"{k}={v}" for k, v in list(names.items())[:3])[:200]
+        raise PagedrunError(f"{path}: auto_map: names custom code{' (' + what + ')' if what else ''}; pagedrun "
+                            "never runs code from a model folder: use a model that needs none")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -100,10 +112,16 @@ def load_tokenizer(model_dir: Path):
     model_dir = Path(model_dir)
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         return None
+    tok_config = model_dir / "tokenizer_config.json"
+    if tok_config.is_file():
+        try:
+            refuse_remote_code(tok_config, json.loads(tok_config.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+            raise PagedrunError(f"{tok_config}: cannot read JSON: {_one_line(e)}") from None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many types here; the user needs the path and why
         raise PagedrunError(
             f"{model_dir}: cannot load tokenizer: {type(e).__name__}: {_one_line(e)}"
