@@ -29,7 +29,9 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
     # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
     fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
-    writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s)
+    # Also checks every path the run will write and takes the output's lock (io/output_files.py).
+    writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
+                          inputs=(prompts, recipe_path), report=recipe.output.report)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/distributed/).
         from pagedrun.distributed import run_distributed
@@ -160,6 +162,11 @@ def print_startup(console: Console, llm, load_s: float) -> None:
         f"{e.recipe.model.dtype}, {e.device}) loaded in {load_s:.1f}s; attention backend: {e.backend.name}",
         highlight=False,
     )
+    from pagedrun.report import cpu_kernels_status
+
+    kernels = cpu_kernels_status(e)
+    if kernels is not None:  # without them a CPU run is ~1.6x slower: never silently
+        console.print(f"cpu kernels: {kernels}", highlight=False, markup=False, soft_wrap=True)
     # The short form of `pagedrun profile-memory`: what the profile measured, what the budget became.
     for line in m.summary():
         console.print(f"[bold]memory[/] {line}", highlight=False)

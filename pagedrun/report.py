@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pagedrun.errors import PagedrunError
+from pagedrun.io.output_files import check_derived, is_report, replace_file, report_path
+
 M, D = "measured", "derived"
 
 
@@ -76,6 +79,7 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
 
     report = {
         "interrupted": interrupted,
+        "cpu_kernels": cpu_kernels_status(engine),
         "num_steps": n,
         "num_requests": len(results),
         "num_errors": len(results) - len(ok),
@@ -119,6 +123,25 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
     return report
 
 
+def cpu_kernels_status(engine) -> str | None:
+    """'on' or 'off (<why>)' for the C++ CPU kernels of a CPU engine, None on a GPU. Loads them
+    (once per process), so that start-up can say it before the first step builds them."""
+    device = getattr(engine, "device", None)  # absent on a Ray replica's rebuilt view (distributed/merge.py)
+    if device is None or device.type != "cpu":
+        return None
+    from pagedrun import cpu_build
+    from pagedrun.models import ops
+
+    ops.load()
+    load_attention = getattr(engine.backend, "load_cpu_kernel", None)
+    if load_attention is not None:
+        try:
+            load_attention()
+        except RuntimeError:  # forced on (use_cpu_kernel=True) but unavailable: status() says why
+            pass
+    return cpu_build.status()
+
+
 def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_token: int, m, peak_blocks: int) -> dict:
     peak = max(reserved, default=0)
     n = len(reserved)
@@ -135,6 +158,8 @@ def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_toke
 # Dotted path prefix -> (kind, how). The longest matching prefix wins.
 _PROVENANCE: dict[str, tuple[str, str]] = {
     "interrupted": (M, "the run was stopped by a signal"),
+    "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/cpu_build.py) loaded: on, or off and why; "
+                       "null on a GPU"),
     "num_steps": (M, "engine steps recorded"),
     "num_requests": (M, "requests finished in this run"),
     "num_errors": (M, "requests finished with an error"),
@@ -209,14 +234,15 @@ def _provenance(report: dict) -> dict[str, str]:
     return out
 
 
-def report_path(output: Path) -> Path:
-    """outputs.jsonl -> outputs.report.json, beside it."""
-    return output.with_name(output.stem + ".report.json")
-
-
 def write_report(report: dict, output: Path) -> Path:
+    """<output's stem>.report.json, through a temporary file and a rename; refused (one line) if a
+    file pagedrun did not write has appeared there since the run started (io/output_files.py)."""
     path = report_path(output)
-    path.write_text(json.dumps(report, indent=1))
+    check_derived(path, "report", output, (), is_report)
+    try:
+        replace_file(path, json.dumps(report, indent=1).encode())
+    except OSError as e:
+        raise PagedrunError(f"{path}: cannot write: {e.strerror or e}") from None
     return path
 
 
@@ -241,6 +267,7 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     pc, pre, sw, th, lat = (report["prefix_cache"], report["preemptions"], report["swap"], report["throughput"],
                             report["latency"])
     rows = [
+        *([("cpu kernels", report["cpu_kernels"])] if report.get("cpu_kernels") else []),
         ("KV capacity", f"{cap['blocks']:,} blocks x {cap['block_size']} = {cap['tokens']:,} tokens ({_mib(cap['bytes'])})"),
         ("KV blocks in use", f"peak {b['peak']:,} ({_pct(b['peak_fraction_of_capacity'])} of capacity), "
                              f"mean {b['mean']:,.1f}"),

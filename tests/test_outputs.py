@@ -41,6 +41,8 @@ def test_append_then_finalize_in_input_order(tmp_path):
     w.finalize([request_key(f"r{i}") for i in range(3)])
     assert lines(out) == [rec(0), rec(1), rec(2)]
     assert json.loads(meta_path(out).read_text())["fingerprint"] == FP
+    assert (out.parent / "out.jsonl.lock").is_file()  # held until close(): the report is written next
+    w.close()
     assert sorted(p.name for p in out.parent.iterdir()) == ["out.jsonl", "out.jsonl.meta.json"]
 
 
@@ -137,9 +139,10 @@ def test_foreign_file_and_bad_meta_are_refused(tmp_path):
     out.write_text("my own notes\n")
     with pytest.raises(PagedrunError, match="not written by pagedrun.*--overwrite"):
         OutputWriter(out, FP)
-    meta_path(out).write_text("{not json")
-    with pytest.raises(PagedrunError, match=r"meta\.json: unreadable.*--overwrite"):
-        OutputWriter(out, FP)
+    meta_path(out).write_text("{not json")  # not ours: refused even with --overwrite
+    for overwrite in (False, True):
+        with pytest.raises(PagedrunError, match=r"meta\.json: the meta file of -o .* was not written by pagedrun"):
+            OutputWriter(out, FP, overwrite=overwrite)
     (tmp_path / "d").mkdir()
     with pytest.raises(PagedrunError, match="is a directory"):
         OutputWriter(tmp_path / "d", FP)
@@ -151,11 +154,13 @@ def test_foreign_file_and_bad_meta_are_refused(tmp_path):
 def test_stale_temporary_files_are_removed(tmp_path):
     out = tmp_path / "out.jsonl"
     opened(out).close()
-    (tmp_path / "out.jsonl.tmp").write_text('{"id": "half a rewrite')
-    (tmp_path / "out.jsonl.meta.tmp").write_text("{")
+    (tmp_path / ".out.jsonl.12345.tmp").write_text('{"id": "half a rewrite')  # a killed run's
+    (tmp_path / ".out.jsonl.meta.json.12345.tmp").write_text("{")
+    (tmp_path / "out.jsonl.tmp").write_text("the user's own file")  # not a name pagedrun uses
     w = opened(out)
     w.finalize([])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.meta.json"]
+    w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.meta.json", "out.jsonl.tmp"]
 
 
 def test_unwritable_output_is_a_one_line_error(tmp_path):

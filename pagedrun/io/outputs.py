@@ -7,7 +7,9 @@ being killed) and is fsynced every `fsync_interval_s` (it survives the machine g
 end the file is rewritten in input order through a temporary file and an atomic rename.
 
 A companion `OUT.meta.json` holds the fingerprint of the recipe and of the prompts file, so that a
-re-run with other inputs is refused instead of silently mixing two jobs' outputs.
+re-run with other inputs is refused instead of silently mixing two jobs' outputs. A run holds an
+exclusive lock on `OUT.lock` from the start, so two runs never write the same output; which paths
+a run may write at all is decided in pagedrun/io/output_files.py.
 
 On a re-run every complete line that parses is kept and its request skipped. What a crash can leave
 behind (a torn last line without its newline, a line that does not parse, a second line for the
@@ -28,15 +30,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
+from pagedrun.io.output_files import (OutputLock, check_derived, check_output, is_lock, is_meta, is_report,
+                                      lock_path, meta_path, remove_stale_temps, replace_file, report_path, temp_path)
 
 META_VERSION = 1
 
 Key = tuple[str, str]  # ("id", request id) or ("line", "7")
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def meta_path(out: Path) -> Path:
-    return out.with_name(out.name + ".meta.json")
 
 
 def request_key(request_id: str) -> Key:
@@ -63,10 +63,13 @@ def _encode(record: dict) -> bytes:
 
 
 class OutputWriter:
-    """`OutputWriter(path, fingerprint)` checks and reads a previous run's output without changing
-    anything (so a refusal costs nothing); `open()` starts writing."""
+    """`OutputWriter(path, fingerprint)` checks every path the run will write, takes the output's
+    lock and reads a previous run's output without changing anything (so a refusal costs nothing);
+    `open()` starts writing, `close()` lets the lock go. `inputs`: the run's input files, which no
+    derived file may be; `report`: the run will write `<stem>.report.json`."""
 
-    def __init__(self, path: Path, fingerprint: dict, *, overwrite: bool = False, fsync_interval_s: float = 5.0):
+    def __init__(self, path: Path, fingerprint: dict, *, overwrite: bool = False, fsync_interval_s: float = 5.0,
+                 inputs: tuple[Path | None, ...] = (), report: bool = False):
         self.path = Path(path)
         self.fingerprint = dict(fingerprint)
         self.overwrite = overwrite
@@ -77,11 +80,21 @@ class OutputWriter:
         self._needs_rewrite = False
         self._fd: int | None = None
         self._last_fsync = time.monotonic()
-        if self.path.is_dir():
-            raise PagedrunError(f"{self.path}: is a directory; -o needs a file path")
-        if not overwrite:
-            self._load_previous()
-            self.resumed = len(self.done)
+        inputs = tuple(Path(p) for p in inputs if p is not None)
+        check_output(self.path, inputs)
+        derived = [(meta_path(self.path), "meta file", is_meta), (lock_path(self.path), "lock file", is_lock)]
+        if report:
+            derived.append((report_path(self.path), "report", is_report))
+        for p, what, recognise in derived:
+            check_derived(p, what, self.path, inputs, recognise)
+        self._lock = OutputLock(self.path)
+        try:
+            if not overwrite:
+                self._load_previous()
+                self.resumed = len(self.done)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def __contains__(self, key: Key) -> bool:
         return key in self.done
@@ -140,8 +153,8 @@ class OutputWriter:
         """Write the metadata, drop what a previous run left half-done, and open for appending."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            for stale in (self._tmp_path(), meta_path(self.path).with_suffix(".tmp")):
-                stale.unlink(missing_ok=True)  # left by a run killed mid-rename
+            for p in (self.path, meta_path(self.path), report_path(self.path)):
+                remove_stale_temps(p)  # left by a run killed mid-rename (we hold the lock: no live run's)
             if self.overwrite:
                 self.path.unlink(missing_ok=True)
             elif self._needs_rewrite:
@@ -153,11 +166,8 @@ class OutputWriter:
         self._last_fsync = time.monotonic()
 
     def _write_meta(self) -> None:
-        meta = meta_path(self.path)
-        tmp = meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint}, indent=1) + "\n",
-                       encoding="utf-8")
-        os.replace(tmp, meta)
+        replace_file(meta_path(self.path), (json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint},
+                                                       indent=1) + "\n").encode("utf-8"), fsync=True)
 
     def write(self, record: dict, key: Key | None = None) -> None:
         """Append one record (key defaults to record_key(record))."""
@@ -191,6 +201,13 @@ class OutputWriter:
                 exit_now(code)
 
     def close(self) -> None:
+        """Close the file and let the lock go (a later run may resume)."""
+        try:
+            self._close_file()
+        finally:
+            self._lock.release()
+
+    def _close_file(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
@@ -199,8 +216,9 @@ class OutputWriter:
                 os.close(fd)
 
     def finalize(self, order: Iterable[Key]) -> None:
-        """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last."""
-        self.close()
+        """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last.
+        The lock stays held (the report is written next); close() lets it go."""
+        self._close_file()
         pos = {k: i for i, k in enumerate(order)}
         keys = sorted(self.done, key=lambda k: pos.get(k, len(pos)))
         try:
@@ -208,18 +226,20 @@ class OutputWriter:
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
 
-    def _tmp_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".tmp")
-
     def _rewrite(self, records: Iterable[dict]) -> None:
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
-        tmp = self._tmp_path()
-        with open(tmp, "wb") as f:
-            for rec in records:
-                f.write(_encode(rec))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        tmp = temp_path(self.path)
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for rec in records:
+                    f.write(_encode(rec))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
 
 
