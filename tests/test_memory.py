@@ -4,7 +4,7 @@
 - the CUDA arithmetic with the numbers a GPU would report injected, its failure messages, overrides;
 - the CPU arithmetic, its failures and the cap;
 - a run that fills every computed block stays within the stated budget (peak RSS);
-- two profiles of the same recipe, in two processes, agree; the CLI's JSON and its one-line error.
+- two profiles of the same recipe, in two processes, compute the same plan; the CLI's JSON and its\n  one-line error.
 """
 from __future__ import annotations
 
@@ -305,13 +305,19 @@ def test_cli_profiles_agree_and_size_prompts(wide_model, tmp_path):
     assert a["schema"] == "pagedrun.profile-memory/1" and a["device"] == "cpu"
     assert a["derived"]["num_blocks"] == b["derived"]["num_blocks"] == 128
     assert a["derived"]["weights_bytes"] == b["derived"]["weights_bytes"]
-    # The activation peak is measured in RSS, so glibc's dynamic mmap threshold makes it vary between
-    # processes (about +-15% on this tiny model, docs/memory.md); what the budget subtracts, the
-    # peak in use, agrees within 5%.
-    in_use = max(a["derived"]["peak_in_use_bytes"], b["derived"]["peak_in_use_bytes"])
-    assert abs(a["derived"]["peak_in_use_bytes"] - b["derived"]["peak_in_use_bytes"]) <= 0.05 * in_use
-    assert abs(a["measured"]["activation_peak_bytes"] - b["measured"]["activation_peak_bytes"]) <= 0.05 * in_use
-    assert abs(a["measured"]["non_torch_bytes"] - b["measured"]["non_torch_bytes"]) <= 0.02 * in_use
+    # Everything computed from the recipe, the config and the prompts is the same in both processes.
+    # The measured numbers (activation peak, memory outside torch) are RSS readings: glibc's dynamic
+    # mmap threshold and the machine's load move them between processes (+-15% on this tiny model,
+    # docs/memory.md), so the two runs are not compared on them; each run's arithmetic is checked.
+    for key in ("num_blocks", "kv_budget_bytes", "block_bytes", "kv_cache_bytes", "token_capacity",
+                "max_concurrency_at_max_model_len"):
+        assert a["derived"][key] == b["derived"][key], key
+    assert a["requests"] == b["requests"]
+    for run in (a, b):
+        m, x = run["measured"], run["derived"]
+        assert m["activation_peak_bytes"] >= 0 and m["non_torch_bytes"] > 0
+        assert x["peak_in_use_bytes"] == (x["weights_bytes"] + m["torch_other_bytes"] + m["non_torch_bytes"]
+                                          + m["activation_peak_bytes"])
     q = a["requests"]  # (16+16)/16 = 2, (40+16)/16 -> 4, (100+16)/16 -> 8 blocks
     assert (q["num_requests"], q["total_blocks"], q["max_blocks"]) == (3, 14, 8)
     assert q["max_concurrency"] == pytest.approx(128 / (14 / 3))
