@@ -23,6 +23,7 @@ import numpy as np
 
 from pagedrun.cudaemu.build import CXX, BuiltModule
 from pagedrun.cudaemu.errors import EmuError, EmuLaunchError
+from pagedrun.cudaemu.launch_cfg import LaunchCfg
 
 _ASAN_OPTIONS = "detect_leaks=0:abort_on_error=0:halt_on_error=1:allocator_may_return_null=1:detect_stack_use_after_return=0"
 
@@ -122,15 +123,13 @@ class AsanRunner:
 
 
 def _child_main(argv: list[str]) -> int:
-    from pagedrun.cudaemu.module import _LaunchCfg
-
     tmp = argv[1]
     with open(os.path.join(tmp, "job.json")) as f:
         job = json.load(f)
     lib = ctypes.CDLL(job["so"], mode=os.RTLD_LOCAL)
     launch = getattr(lib, f"cudaemu_launch_{job['index']}")
     launch.restype = ctypes.c_int
-    launch.argtypes = [ctypes.POINTER(_LaunchCfg), ctypes.c_void_p]
+    launch.argtypes = [ctypes.POINTER(LaunchCfg), ctypes.c_void_p]
     with np.load(os.path.join(tmp, "in.npz")) as npz:
         arrays = {k: np.ascontiguousarray(npz[k]).copy() for k in npz.files}
     n = len(job["raw"])
@@ -145,7 +144,7 @@ def _child_main(argv: list[str]) -> int:
         b = ctypes.create_string_buffer(data, max(len(data), 16))
         bufs.append(b)
         ptrs[i] = ctypes.addressof(b)
-    cfg = _LaunchCfg()
+    cfg = LaunchCfg()
     cfg.grid[:] = job["grid"]
     cfg.block[:] = job["block"]
     cfg.shared_mem = job["shared_mem"]

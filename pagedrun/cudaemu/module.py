@@ -11,6 +11,7 @@ import numpy as np
 
 from pagedrun.cudaemu.build import BuiltModule, build
 from pagedrun.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
+from pagedrun.cudaemu.launch_cfg import LaunchCfg
 
 SCHEDULES = {"round_robin": 0, "greedy": 1}
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # CUDA's limit without the opt-in attribute
@@ -19,21 +20,6 @@ _ERR_LEN = 16384
 # The runtime's globals (thread/block indices, scheduler) are per library, not per OS thread,
 # and fault handlers are process-wide: one launch at a time.
 _LAUNCH_LOCK = threading.Lock()
-
-
-class _LaunchCfg(ctypes.Structure):  # mirrors cudaemu::LaunchCfg in kernels/emulator/cudaemu_runtime.h
-    _fields_ = [
-        ("grid", ctypes.c_uint32 * 3),
-        ("block", ctypes.c_uint32 * 3),
-        ("shared_mem", ctypes.c_uint64),
-        ("schedule", ctypes.c_int32),
-        ("poison_shared", ctypes.c_int32),
-        ("stack_bytes", ctypes.c_uint64),
-        ("timeout_s", ctypes.c_double),
-        ("kernel_name", ctypes.c_char_p),
-        ("err", ctypes.c_void_p),
-        ("err_len", ctypes.c_uint64),
-    ]
 
 
 _KIND_NAMES = {"p": "pointer", "f": "float", "i": "int", "u": "uint", "b": "bool", "o": "struct"}
@@ -65,7 +51,7 @@ class EmuKernel:
         lib = module._lib
         self._launch = getattr(lib, f"cudaemu_launch_{index}")
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.POINTER(_LaunchCfg), ctypes.c_void_p]
+        self._launch.argtypes = [ctypes.POINTER(LaunchCfg), ctypes.c_void_p]
         sig_fn = getattr(lib, f"cudaemu_sig_{index}")
         sig_fn.restype = ctypes.c_char_p
         sig = sig_fn().decode()
@@ -169,7 +155,7 @@ class EmuKernel:
                 f"as CUDA requires above 48 KiB)"
             )
         keep, ptrs = self._pack(args)
-        cfg = _LaunchCfg()
+        cfg = LaunchCfg()
         cfg.grid[:] = g
         cfg.block[:] = b
         cfg.shared_mem = shared_mem
