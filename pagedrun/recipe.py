@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from pagedrun.echo import clip, echo
 from pagedrun.errors import PagedrunError
 from pagedrun.recipe_checks import (  # noqa: F401  (BLOCK_SIZES, parse_size: part of this module's API)
     BLOCK_SIZES,
@@ -147,7 +148,7 @@ class _Builder:
             if value is None:  # `cache:` with nothing under it
                 return
             if not isinstance(value, dict):
-                raise PagedrunError(f"{where(str(key))}: must be a mapping, got {value!r}")
+                raise PagedrunError(f"{where(str(key))}: must be a mapping, got {echo(value)}")
             for sub, v in value.items():
                 self.set_key(key, sub, v, where, base)
         elif key in _SCALARS:
@@ -181,7 +182,7 @@ class _Builder:
             name, msg = problem
             # Only a value the user set can break a constraint the defaults satisfy.
             prefix = self.origin.get(f"sampling.{name}", f"sampling.{name}")
-            raise PagedrunError(f"{prefix}: {msg}, got {v['sampling'][name]!r}")
+            raise PagedrunError(f"{prefix}: {msg}, got {echo(v['sampling'][name])}")
         return Recipe(
             model=ModelConfig(**v["model"]),
             cache=CacheConfig(**v["cache"]),
@@ -196,19 +197,21 @@ class _Builder:
 
 def _got(where: Callable[[str], str], value: Any) -> str:
     # A --set item already shows the value the user typed; a file's value is not on screen.
-    return "" if getattr(where, "is_override", False) else f", got {value!r}"
+    return "" if getattr(where, "is_override", False) else f", got {echo(value)}"
 
 
 def _file_where(name: str, lines: dict[str, int]) -> Callable[[str], str]:
     def where(keypath: str) -> str:
         line = lines.get(keypath) or lines.get(keypath.split(".")[0])
-        return f"{name}:{line}: {keypath}" if line else f"{name}: {keypath}"
+        return f"{name}:{line}: {clip(keypath)}" if line else f"{name}: {clip(keypath)}"
     return where
 
 
 def _override_where(item: str, own_keypath: str) -> Callable[[str], str]:
+    item = clip(item)
+
     def where(keypath: str) -> str:
-        return f"--set {item}" if keypath == own_keypath else f"--set {item}: {keypath}"
+        return f"--set {item}" if keypath == own_keypath else f"--set {item}: {clip(keypath)}"
     where.is_override = True  # type: ignore[attr-defined]
     return where
 
@@ -236,13 +239,14 @@ def load_recipe(path: Path | None, overrides: Iterable[str] = ()) -> Recipe:
 def _apply_override(builder: _Builder, item: str) -> None:
     keypath, sep, text = item.partition("=")
     keypath = keypath.strip()
+    shown = clip(item)
     if not sep or not keypath:
-        raise PagedrunError(f"--set {item}: expected key.path=value, e.g. cache.block_size=32")
+        raise PagedrunError(f"--set {shown}: expected key.path=value, e.g. cache.block_size=32")
     try:
         value = yaml.load(text, Loader=_Loader) if text.strip() else None
     except (yaml.YAMLError, _DuplicateKey) as e:
         problem = getattr(e, "problem", None) or e
-        raise PagedrunError(f"--set {item}: value is not valid YAML: {_one_line(problem)}") from None
+        raise PagedrunError(f"--set {shown}: value is not valid YAML: {_one_line(problem)}") from None
     where = _override_where(item, keypath)
     parts = keypath.split(".")
     if len(parts) == 1:
@@ -251,4 +255,4 @@ def _apply_override(builder: _Builder, item: str) -> None:
         builder.set_key(parts[0], parts[1], value, where, Path.cwd())
     else:
         known = [f"{s}.{k}" for s in _SECTIONS for k in _CHECKS[s]] + list(_SCALARS)
-        raise PagedrunError(f"--set {item}: unknown key {keypath}{_did_you_mean(keypath, known)}")
+        raise PagedrunError(f"--set {shown}: unknown key {clip(keypath)}{_did_you_mean(keypath, known)}")

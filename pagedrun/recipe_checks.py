@@ -26,6 +26,16 @@ DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct
 BLOCK_SIZES = (8, 16, 32)  # the block sizes the CUDA kernels are compiled for
 DEFAULT_CPU_KV_FRACTION = 0.25  # used when cache.kv_cache_memory is null
 MIN_KV_BYTES = 1 << 20
+# Upper bounds far above any real run, below the values that crash or hang instead of failing:
+# 100000 OpenMP threads segfault, a 10^12-block cache is tried before it is refused.
+MAX_THREADS = 1024
+MAX_MODEL_LEN = 1 << 22  # 4M tokens: 4x the longest context of a released open model
+MAX_KV_BYTES = 1 << 50  # 1 PiB
+MAX_NUM_BLOCKS = 1 << 26
+MAX_SWAP_GIB = 1 << 16
+MAX_NUM_SEQS = 1 << 16
+MAX_BATCHED_TOKENS = 1 << 24
+MAX_REPLICAS = 4096
 
 
 # ---------------------------------------------------------------- sizes
@@ -87,6 +97,8 @@ def _kv_cache_memory(v: Any) -> int | float | None:
     # An int is bytes: `kv_cache_memory: 1` is far more likely a fraction written without ".0".
     if not is_int(v) or v < MIN_KV_BYTES:
         raise InvalidValue(msg)
+    if v > MAX_KV_BYTES:
+        raise InvalidValue(f"must be at most {MAX_KV_BYTES} bytes (1 PiB)")
     return v
 
 
@@ -103,23 +115,23 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "model": {
         "path": _non_empty_str,  # resolved in model_path
         "dtype": _choice(("float32", "bfloat16", "float16"), _DTYPE_ALIASES),
-        "max_model_len": optional(int_check(lo=16)),
+        "max_model_len": optional(int_check(lo=16, cap=MAX_MODEL_LEN)),
         "device": _choice(("auto", "cpu", "cuda")),
         "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
-        "threads": optional(int_check(lo=1)),
+        "threads": optional(int_check(lo=1, cap=MAX_THREADS)),
     },
     "cache": {
         "block_size": _choice(BLOCK_SIZES),
         "kv_cache_memory": _kv_cache_memory,
         "gpu_memory_utilization": float_check("a number in (0, 1]", lambda x: 0 < x <= 1),
-        "num_blocks": optional(int_check(lo=1)),
-        "swap_space": float_check("a number of GiB >= 0", lambda x: x >= 0),
+        "num_blocks": optional(int_check(lo=1, cap=MAX_NUM_BLOCKS)),
+        "swap_space": float_check("a number of GiB >= 0", lambda x: x >= 0, cap=MAX_SWAP_GIB),
         "enable_prefix_caching": bool_check,
         "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
     },
     "scheduler": {
-        "max_num_seqs": int_check(lo=1),
-        "max_num_batched_tokens": int_check(lo=1),
+        "max_num_seqs": int_check(lo=1, cap=MAX_NUM_SEQS),
+        "max_num_batched_tokens": int_check(lo=1, cap=MAX_BATCHED_TOKENS),
         "preemption_mode": _choice(("recompute", "swap")),
     },
     "sampling": {name: (lambda v, name=name: check_sampling_field(name, v)) for name in SAMPLING_FIELDS},
@@ -129,7 +141,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
     },
     "distributed": {
         "address": optional(_non_empty_str),
-        "replicas": optional(int_check(lo=1)),
+        "replicas": optional(int_check(lo=1, cap=MAX_REPLICAS)),
     },
     "": {"seed": int_check(lo=0, hi=2**64 - 1, desc="an integer in 0..2**64-1")},
 }
@@ -146,5 +158,7 @@ def model_path(v: str, base: Path) -> str:
 
 
 def did_you_mean(key: Any, known: Iterable[str]) -> str:
+    if len(str(key)) > 64:  # no key is this long; comparing a huge one would only cost time
+        return ""
     close = difflib.get_close_matches(str(key), list(known), n=1)
     return f" (did you mean {close[0]}?)" if close else ""

@@ -1,6 +1,9 @@
 """Reading a recipe's YAML: a safe loader, duplicate keys refused, and the line of every key.
 
-YAML 1.2 floats (`1e-5` is a float, not a string). Errors are one line naming the file and line:
+YAML 1.2 floats (`1e-5` is a float, not a string). A recipe is a few levels deep and never needs
+an alias: aliases (`*name`, the "billion laughs" bomb) are refused and nesting is bounded at
+MAX_DEPTH, so a hostile file costs no memory and no recursion. Errors are one line naming the file
+and line:
     recipe.yaml:4: cache: duplicate key (first on line 2)
     recipe.yaml:3:7: invalid YAML: mapping values are not allowed here
 """
@@ -15,8 +18,31 @@ import yaml
 from pagedrun.errors import PagedrunError
 
 
+MAX_DEPTH = 16  # the deepest recipe value is a list in a section (sampling.stop): 3
+MAX_BYTES = 1 << 20  # the default recipe, comments and all, is 4 KB; PyYAML reads ~1.5 MB/s
+
+
 class Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (`1e-5` is a float, not a string) and duplicate-key errors."""
+    """SafeLoader with YAML 1.2 floats (`1e-5` is a float, not a string), duplicate-key errors, no
+    aliases and at most MAX_DEPTH levels of nesting."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # The composer recurses once per level and expands every alias: both are stopped here,
+        # before any node is built, so the error comes after reading at most MAX_DEPTH levels.
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a recipe; write the value out",
+                self.peek_event().start_mark)
+        if self._depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -66,13 +92,16 @@ def read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
     """The parsed file and the line of each key in it."""
     name = path.name
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise PagedrunError(f"{name}: recipe file not found ({path})") from None
     except IsADirectoryError:
         raise PagedrunError(f"{name}: is a directory, not a recipe file ({path})") from None
     except OSError as e:
         raise PagedrunError(f"{name}: cannot read recipe file: {e.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise PagedrunError(f"{name}: larger than {MAX_BYTES:,} bytes; not a recipe")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

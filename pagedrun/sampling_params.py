@@ -11,12 +11,18 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
+from pagedrun.echo import clip, echo
 from pagedrun.errors import PagedrunError
 
 # vLLM treats temperatures this small as greedy: dividing logits by ~0 overflows to inf/nan.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed accepts seeds up to 2**64 - 1
+# Bounds far above any real request; beyond them a value would overflow a tensor mid-run (top_k)
+# or cost work per token (thousands of stop strings). n of 100-200 is usual for pass@k.
+MAX_N = 10_000
+_MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k: anything above max_model_len or the vocab
+MAX_STOPS = 1024  # stop strings, stop token ids
 
 # vLLM fields users will try; naming them avoids a bare "unknown field" for a well-known option.
 _VLLM_UNSUPPORTED = frozenset({
@@ -55,11 +61,11 @@ class SamplingParams:
             try:
                 setattr(self, f.name, check_field(f.name, value))
             except InvalidValue as e:
-                raise PagedrunError(f"SamplingParams: {f.name}: {e}, got {value!r}") from None
+                raise PagedrunError(f"SamplingParams: {f.name}: {e}, got {echo(value)}") from None
         problem = cross_field_problem(self.to_dict())
         if problem is not None:
             name, msg = problem
-            raise PagedrunError(f"SamplingParams: {name}: {msg}, got {getattr(self, name)!r}")
+            raise PagedrunError(f"SamplingParams: {name}: {msg}, got {echo(getattr(self, name))}")
 
     @property
     def is_greedy(self) -> bool:
@@ -72,20 +78,20 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any], where: str) -> SamplingParams:
         """Validate `d` (types, ranges, unknown keys) and build; errors name `where` and the field."""
         if not isinstance(d, dict):
-            raise PagedrunError(f"{where}: must be a mapping of sampling fields, got {d!r}")
+            raise PagedrunError(f"{where}: must be a mapping of sampling fields, got {echo(d)}")
         values: dict[str, Any] = {}
         for name, value in d.items():
             if name not in FIELD_NAMES:
-                raise PagedrunError(f"{where}: {name}: {unknown_field_message(name)}")
+                raise PagedrunError(f"{where}: {clip(str(name))}: {unknown_field_message(name)}")
             try:
                 values[name] = check_field(name, value)
             except InvalidValue as e:
-                raise PagedrunError(f"{where}: {name}: {e}, got {value!r}") from None
+                raise PagedrunError(f"{where}: {name}: {e}, got {echo(value)}") from None
         full = {**cls().to_dict(), **values}
         problem = cross_field_problem(full)
         if problem is not None:
             name, msg = problem
-            raise PagedrunError(f"{where}: {name}: {msg}, got {full[name]!r}")
+            raise PagedrunError(f"{where}: {name}: {msg}, got {echo(full[name])}")
         return cls(**full)
 
 
@@ -100,7 +106,7 @@ def merged(defaults: SamplingParams, overrides: dict[str, Any], where: str) -> S
     # Check the override keys first so an error names the field the user wrote.
     for name in overrides:
         if name not in FIELD_NAMES:
-            raise PagedrunError(f"{where}: {name}: {unknown_field_message(name)}")
+            raise PagedrunError(f"{where}: {clip(str(name))}: {unknown_field_message(name)}")
     base.update(overrides)
     return SamplingParams.from_dict(base, where)
 
@@ -108,7 +114,7 @@ def merged(defaults: SamplingParams, overrides: dict[str, Any], where: str) -> S
 def unknown_field_message(name: str, noun: str = "field") -> str:
     if name in _VLLM_UNSUPPORTED:
         return f"unknown {noun}: a vLLM sampling field that pagedrun does not support"
-    close = difflib.get_close_matches(str(name), FIELD_NAMES, n=1)
+    close = difflib.get_close_matches(str(name), FIELD_NAMES, n=1) if len(str(name)) <= 64 else []
     hint = f" (did you mean {close[0]}?)" if close else ""
     return f"unknown {noun}{hint}"
 
@@ -120,8 +126,12 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python, not here
 
 
-def int_check(lo: int | None = None, hi: int | None = None, desc: str | None = None) -> Callable[[Any], int]:
+def int_check(lo: int | None = None, hi: int | None = None, desc: str | None = None,
+              cap: int | None = None) -> Callable[[Any], int]:
+    """`cap`: a sanity bound, reported on its own ("must be at most N") only when it is exceeded."""
     def check(v: Any) -> int:
+        if cap is not None and is_int(v) and v > cap:
+            raise InvalidValue(f"must be at most {cap}")
         if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
             if desc:
                 raise InvalidValue(f"must be {desc}")
@@ -134,7 +144,7 @@ def int_check(lo: int | None = None, hi: int | None = None, desc: str | None = N
     return check
 
 
-def float_check(desc: str, ok: Callable[[float], bool]) -> Callable[[Any], float]:
+def float_check(desc: str, ok: Callable[[float], bool], cap: float | None = None) -> Callable[[Any], float]:
     def check(v: Any) -> float:
         try:
             x = float(v) if is_int(v) or isinstance(v, float) else math.nan
@@ -142,6 +152,8 @@ def float_check(desc: str, ok: Callable[[float], bool]) -> Callable[[Any], float
             x = math.nan
         if not math.isfinite(x) or not ok(x):
             raise InvalidValue(f"must be {desc}")
+        if cap is not None and x > cap:
+            raise InvalidValue(f"must be at most {cap}")
         return x
     return check
 
@@ -166,6 +178,8 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _top_k(v: Any) -> int:
     if not is_int(v) or v < -1:
         raise InvalidValue("must be an integer >= 0 (0 or -1 = off)")
+    if v > _MAX_COUNT:
+        raise InvalidValue(f"must be at most {_MAX_COUNT}")
     return 0 if v == -1 else v  # one spelling of "off" so the sampler tests `top_k > 0`
 
 
@@ -174,19 +188,23 @@ def _stop(v: Any) -> list[str]:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise InvalidValue("must be a non-empty string or a list of non-empty strings")
+    if len(v) > MAX_STOPS:
+        raise InvalidValue(f"must hold at most {MAX_STOPS} stop strings")
     return list(v)
 
 
 def _stop_token_ids(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
         raise InvalidValue("must be a list of non-negative integer token ids")
+    if len(v) > MAX_STOPS:
+        raise InvalidValue(f"must hold at most {MAX_STOPS} token ids")
     return list(v)
 
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "n": int_check(lo=1),
-    "max_tokens": int_check(lo=1),
-    "min_tokens": int_check(lo=0),
+    "n": int_check(lo=1, cap=MAX_N),
+    "max_tokens": int_check(lo=1, cap=_MAX_COUNT),
+    "min_tokens": int_check(lo=0, cap=_MAX_COUNT),
     "temperature": float_check("a number >= 0 (0 = greedy)", lambda x: x >= 0),
     "top_p": float_check("a number in (0, 1]", lambda x: 0 < x <= 1),
     "top_k": _top_k,

@@ -51,12 +51,9 @@ class LLM:
             rid = str(obj.get("id", i))
             try:
                 req = _build_request(obj, rid, i + 1, "prompts", self.tokenizer, defaults,
-                                     self.engine.model_config.vocab_size)
-            except _LineError as e:
+                                     self.engine.model_config.vocab_size, self.engine.max_model_len)
+            except _LineError as e:  # _TooLong included: a Python caller gets an exception, not a record
                 raise PagedrunError(f"prompts[{i}]: {e.field}: {e.message}") from None
-            if len(req.prompt_token_ids) > self.engine.max_model_len - 1:
-                raise PagedrunError(f"prompts[{i}]: prompt has {len(req.prompt_token_ids)} tokens; "
-                                    f"max_model_len is {self.engine.max_model_len}")
             out.append(req)
         return out
 

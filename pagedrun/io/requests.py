@@ -9,15 +9,23 @@ plus any SamplingParams field (vLLM names) at the top level, overriding the reci
 Errors are one line, `prompts.jsonl:7: temperature: must be ..., got -1`. With skip_invalid=True a
 bad line becomes an InvalidRequest (an error record in the outputs) and the rest still runs. A prompt
 too long for max_model_len is always an InvalidRequest: one long document must not stop a batch.
+
+Work per line is bounded by what the model can take, not by what the file holds: text longer than
+max_model_len tokens of the longest vocabulary entry cannot fit, so at most that many characters are
+tokenized; nesting deeper than Python's recursion limit is an "invalid JSON" error; values quoted in
+errors are cut (pagedrun/echo.py). Every token id, given or tokenized, is checked against the
+model's vocabulary: a tokenizer larger than the model is refused here, not by an IndexError mid-run.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedrun.echo import clip, echo, echo_json
 from pagedrun.errors import PagedrunError
 from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged
 
@@ -46,6 +54,10 @@ class InvalidRequest:
 class _LineError(Exception):
     def __init__(self, field: str | None, message: str) -> None:
         self.field, self.message = field, message
+
+
+class _TooLong(_LineError):
+    """A prompt longer than max_model_len allows: an error record even without skip_invalid."""
 
 
 def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab_size: int,
@@ -82,9 +94,12 @@ def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab
             obj = _parse_line(raw)
             rid = _request_id(obj, lineno)
             if rid in first_line_of_id:
-                raise _LineError("id", f"duplicate id {rid!r} (first used on line {first_line_of_id[rid]})")
+                raise _LineError("id", f"duplicate id {echo(rid)} (first used on line {first_line_of_id[rid]})")
             first_line_of_id[rid] = lineno
-            request = _build_request(obj, rid, lineno, name, tokenizer, defaults, vocab_size)
+            request = _build_request(obj, rid, lineno, name, tokenizer, defaults, vocab_size, max_model_len)
+        except _TooLong as e:
+            invalid.append(InvalidRequest(id=rid, line=lineno, error=f"{name}:{lineno}: {e.field}: {e.message}"))
+            continue
         except _LineError as e:
             field = f" {e.field}:" if e.field else ""
             message = f"{name}:{lineno}:{field} {e.message}"
@@ -98,13 +113,6 @@ def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab
                 raise
             first_line_of_id.setdefault(rid, lineno)
             invalid.append(InvalidRequest(id=rid, line=lineno, error=str(e)))
-            continue
-        n = len(request.prompt_token_ids)
-        if n > max_model_len - 1:  # leave room for at least one generated token
-            field = next(k for k in _PROMPT_KEYS if k in obj)
-            invalid.append(InvalidRequest(id=rid, line=lineno, error=(
-                f"{name}:{lineno}: {field}: prompt has {n} tokens; max_model_len is {max_model_len}"
-                f" (a prompt may have at most {max_model_len - 1})")))
             continue
         requests.append(request)
     if not seen_any:
@@ -121,6 +129,8 @@ def _parse_line(raw: bytes) -> dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise _LineError(None, f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise _LineError(None, "invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise _LineError(None, f"must be a JSON object, got {_json_type(obj)}")
     return obj
@@ -134,15 +144,16 @@ def _request_id(obj: dict[str, Any], lineno: int) -> str:
         return rid
     if is_int(rid):
         return str(rid)
-    raise _LineError("id", f"must be a non-empty string or an integer, got {json.dumps(rid)}")
+    raise _LineError("id", f"must be a non-empty string or an integer, got {echo_json(rid)}")
 
 
 def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokenizer: Any,
-                   defaults: SamplingParams, vocab_size: int) -> Request:
+                   defaults: SamplingParams, vocab_size: int, max_model_len: int) -> Request:
+    """The line's Request; raises _TooLong when its prompt leaves no room for one generated token."""
     for key in obj:
         if key not in _KNOWN_KEYS:
-            close = difflib.get_close_matches(key, _KNOWN_KEYS, n=1)
-            raise _LineError(key, "unknown field" + (f" (did you mean {close[0]}?)" if close else ""))
+            close = difflib.get_close_matches(key, _KNOWN_KEYS, n=1) if len(key) <= 64 else []
+            raise _LineError(clip(key), "unknown field" + (f" (did you mean {close[0]}?)" if close else ""))
     given = [k for k in _PROMPT_KEYS if k in obj]
     if not given:
         raise _LineError("prompt", 'missing: each line needs one of "prompt", "messages", "prompt_token_ids"')
@@ -167,13 +178,18 @@ def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokeni
         if not prompt:
             raise _LineError(kind, "empty prompt")
         _need_tokenizer(tokenizer, kind)
-        ids = _collapse_double_bos(list(tokenizer.encode(prompt)), tokenizer)
+        ids = _collapse_double_bos(_encode(prompt, tokenizer, max_model_len, kind, {}), tokenizer)
     else:
         messages = _check_messages(obj[kind])
         _need_tokenizer(tokenizer, kind)
-        ids = _chat_token_ids(messages, tokenizer)
+        ids = _chat_token_ids(messages, tokenizer, max_model_len)
     if not ids:
         raise _LineError(kind, "empty prompt (no tokens after tokenization)")
+    if kind != "prompt_token_ids":
+        _check_vocab(ids, vocab_size, kind)
+    if len(ids) > max_model_len - 1:  # leave room for at least one generated token
+        raise _TooLong(kind, f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}"
+                             f" (a prompt may have at most {max_model_len - 1})")
     return Request(id=rid, line=lineno, prompt_token_ids=ids, sampling=sampling,
                    prompt=prompt, messages=messages)
 
@@ -185,7 +201,7 @@ def _check_token_ids(ids: Any, vocab_size: int) -> list[int]:
         raise _LineError("prompt_token_ids", "empty prompt")
     for i, t in enumerate(ids):
         if not is_int(t):
-            raise _LineError("prompt_token_ids", f"must be a list of integers; index {i} is {json.dumps(t)}")
+            raise _LineError("prompt_token_ids", f"must be a list of integers; index {i} is {echo_json(t)}")
         if not 0 <= t < vocab_size:
             raise _LineError("prompt_token_ids", f"token id {t} at index {i} is outside [0, {vocab_size})")
     return list(ids)
@@ -208,16 +224,55 @@ def _need_tokenizer(tokenizer: Any, kind: str) -> None:
         raise _LineError(kind, "needs a tokenizer; use prompt_token_ids (this model has no tokenizer)")
 
 
-def _chat_token_ids(messages: list[dict], tokenizer: Any) -> list[int]:
+def _chat_token_ids(messages: list[dict], tokenizer: Any, max_model_len: int) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise _LineError("messages", "the model's tokenizer has no chat template; use prompt")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a Jinja error from the model's template, e.g. "roles must alternate"
-        raise _LineError("messages", f"chat template failed: {' '.join(str(e).split())}") from None
+        raise _LineError("messages", f"chat template failed: {clip(' '.join(str(e).split()), 200)}") from None
     # The template writes the BOS itself; encoding with special tokens would add a second one.
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = _encode(text, tokenizer, max_model_len, "messages", {"add_special_tokens": False})
     return _collapse_double_bos(ids, tokenizer)
+
+
+_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: its longest vocabulary entry (a
+    byte-level entry spells one character per byte, and a character is at least one byte)."""
+    try:
+        return _TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    try:
+        _TOKEN_CHARS[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return longest
+
+
+def _encode(text: str, tokenizer: Any, max_model_len: int, field: str, kwargs: dict) -> list[int]:
+    """tokenizer.encode(text), tokenizing at most the characters max_model_len tokens can cover.
+
+    Text longer than that holds more tokens than max_model_len (each token covers at most
+    _max_token_chars characters), so only its head is tokenized, to say how many tokens it makes."""
+    budget = max_model_len * _max_token_chars(tokenizer)
+    if len(text) <= budget:
+        return list(tokenizer.encode(text, **kwargs))
+    n = len(tokenizer.encode(text[:budget], **kwargs))
+    raise _TooLong(field, f"prompt has more than {max_model_len - 1} tokens: its first {budget:,} of "
+                          f"{len(text):,} characters make {n:,}; max_model_len is {max_model_len}")
+
+
+def _check_vocab(ids: list[int], vocab_size: int, field: str) -> None:
+    top = max(ids)
+    if top >= vocab_size or min(ids) < 0:
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise _LineError(field, f"the tokenizer gave token id {t} (token {i}), outside the model's vocabulary "
+                                f"[0, {vocab_size}): the tokenizer does not match the model")
 
 
 def _collapse_double_bos(ids: list[int], tokenizer: Any) -> list[int]:

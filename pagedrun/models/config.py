@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrun.echo import echo
 from pagedrun.errors import PagedrunError
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,6 +20,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# No size of a real model comes near this; a larger one is a broken config, refused before any
+# arithmetic or allocation (models/shapes.py then checks every size against the weights).
+_MAX_SIZE = 1 << 31
 
 
 @dataclass
@@ -64,10 +68,12 @@ class ModelConfig:
                 raise err(key, "missing")
             value = d[key]
             if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise err(key, f"expected an integer, got {value!r}")
+                raise err(key, f"expected an integer, got {echo(value)}")
+            if typ is int and not 0 < value <= _MAX_SIZE:
+                raise err(key, f"expected an integer in 1..{_MAX_SIZE}, got {echo(value)}")
             if typ is float:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise err(key, f"expected a number, got {value!r}")
+                    raise err(key, f"expected a number, got {echo(value)}")
                 value = float(value)
             return value
 
@@ -80,23 +86,23 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise err(
                 "architectures",
-                f"{arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+                f"{echo(arch)} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
 
         hidden = req("hidden_size")
         heads = req("num_attention_heads")
         kv_heads = d.get("num_key_value_heads") or heads
-        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0 or heads % kv_heads:
             raise err(
                 "num_key_value_heads",
-                f"{kv_heads} must divide num_attention_heads ({heads})",
+                f"{echo(kv_heads)} must divide num_attention_heads ({heads})",
             )
-        head_dim = d.get("head_dim") or hidden // heads
+        head_dim = req("head_dim") if d.get("head_dim") is not None else hidden // heads
         if d.get("head_dim") is None and hidden % heads:
             raise err("head_dim", f"missing and hidden_size {hidden} is not a multiple of {heads} heads")
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise err("hidden_act", f"{act!r} is not supported (only 'silu')")
+            raise err("hidden_act", f"{echo(act)} is not supported (only 'silu')")
         max_pos = req("max_position_embeddings")
         rope_theta, rope_scaling = _parse_rope(d, max_pos, err)
 
@@ -109,6 +115,8 @@ class ModelConfig:
             mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
 
         sliding_window = d.get("sliding_window")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
+            raise err("sliding_window", f"expected an integer or null, got {echo(sliding_window)}")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
             sliding_window = None  # present in every Qwen config but switched off
         if arch == "LlamaForCausalLM":
@@ -129,10 +137,10 @@ class ModelConfig:
         elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
             eos_list = list(eos)
         else:
-            raise err("eos_token_id", f"expected an integer or a list of integers, got {eos!r}")
+            raise err("eos_token_id", f"expected an integer or a list of integers, got {echo(eos)}")
         bos = d.get("bos_token_id")
         if bos is not None and not isinstance(bos, int):
-            raise err("bos_token_id", f"expected an integer, got {bos!r}")
+            raise err("bos_token_id", f"expected an integer, got {echo(bos)}")
 
         return cls(
             architecture=arch,
@@ -143,7 +151,7 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=req("intermediate_size"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", err),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -181,27 +189,37 @@ class ModelConfig:
         return embed + self.num_hidden_layers * per_layer + h + lm_head
 
 
+def _number(value: Any, key: str, err) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise err(key, f"expected a number, got {echo(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise err(key, f"expected a number, got {echo(value)}") from None
+
+
 def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters")
+    key = "rope_parameters" if params is not None else "rope_scaling"
     if params is None:
-        params = dict(d.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-        if params and all(isinstance(v, dict) for v in params.values()):
-            # Per-layer-type RoPE (nested by layer type): fine only when all layers agree.
-            variants = [v for v in params.values() if v]
-            if any(v != variants[0] for v in variants):
-                raise err("rope_parameters", "different RoPE per layer type is not supported")
-            params = dict(variants[0]) if variants else {}
+        params = d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise err(key, f"expected an object, got {echo(params)}")
+    params = dict(params)
+    if key == "rope_parameters" and params and all(isinstance(v, dict) for v in params.values()):
+        # Per-layer-type RoPE (nested by layer type): fine only when all layers agree.
+        variants = [v for v in params.values() if v]
+        if any(v != variants[0] for v in variants):
+            raise err("rope_parameters", "different RoPE per layer type is not supported")
+        params = dict(variants[0]) if variants else {}
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise err("rope_theta", f"expected a number, got {theta!r}")
+    theta = _number(theta, "rope_theta", err)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         key = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
         raise err(
             key,
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
+            f"rope type {echo(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
     if rope_type == "default":
         return float(theta), None
@@ -214,8 +232,5 @@ def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, 
             "original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)
         )
     for key in needed:
-        value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise err("rope_scaling", f"{rope_type}: {key}: expected a number, got {value!r}")
-        out[key] = float(value)
+        out[key] = _number(params.get(key), f"{rope_type}: {key}", lambda k, m: err("rope_scaling", f"{k}: {m}"))
     return float(theta), out

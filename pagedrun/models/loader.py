@@ -16,6 +16,7 @@ import torch
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import LlamaForCausalLM
+from pagedrun.models.shapes import check_config_matches_weights
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -29,7 +30,7 @@ def read_config(model_dir: Path, max_model_len: int | None = None) -> ModelConfi
         raise PagedrunError(f"{config_path}: not found (a model directory needs an HF config.json)")
     try:
         data = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise PagedrunError(f"{config_path}: cannot read JSON: {_one_line(e)}") from None
     refuse_remote_code(config_path, data)
     return ModelConfig.from_hf_dict(data, source=str(config_path), max_model_len=max_model_len)
@@ -95,6 +96,7 @@ def load_model(
     model_dir = Path(model_dir)
     config = read_config(model_dir, max_model_len)
     files = safetensors_files(model_dir)
+    check_config_matches_weights(config, files, model_dir)  # before allocating what config.json claims
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     try:
         model.load_weights(iter_safetensors(files))
