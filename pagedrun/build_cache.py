@@ -65,7 +65,7 @@ def private_dir(kind: str, base: Path | None = None) -> Path:
         raise CacheError(f"cannot create the cache directory {base}: {e.strerror or e}") from None
     st = os.stat(base)
     if "PAGEDRUN_CACHE" not in os.environ and st.st_uid == current_uid() and st.st_mode & 0o022:
-        os.chmod(base, stat.S_IMODE(st.st_mode) & ~0o022)  # ~/.cache/pagedrun made under umask 002
+        _tighten(base)  # ~/.cache/pagedrun made under umask 002
     why = _ancestors_unsafe(base)
     if why:
         raise CacheError(f"{why}; {FIX_HINT}")
@@ -80,7 +80,7 @@ def private_dir(kind: str, base: Path | None = None) -> Path:
             raise CacheError(f"cannot create {d}: {e.strerror or e}") from None
         why = _unsafe_dir(d)
         if why and why.endswith("writable by other users") and os.lstat(d).st_uid == current_uid():
-            os.chmod(d, stat.S_IMODE(os.lstat(d).st_mode) & ~0o022)  # ours: close it; entries are checked one by one
+            _tighten(d)  # ours: close it; what others may have put in is checked entry by entry
             why = _unsafe_dir(d)
         if why is None:
             return d
@@ -220,12 +220,22 @@ def _foreign(p: Path, st: os.stat_result) -> str | None:
 def _ancestors_unsafe(base: Path) -> str | None:
     """Why another user could rename something between `base` and /, or None."""
     for d in [base.resolve(), *base.resolve().parents]:
-        st = os.stat(d)
+        try:
+            st = os.stat(d)
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
         if st.st_uid not in (current_uid(), 0):
             return f"{d}: owned by uid {st.st_uid}, who could replace the cache"
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             return f"{d}: writable by other users (and not sticky), who could replace the cache"
     return None
+
+
+def _tighten(d: Path) -> None:
+    try:
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) & ~0o022)
+    except OSError:  # a read-only file system: the check that follows says why not
+        pass
 
 
 def _remove(p: Path) -> None:

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +159,13 @@ def test_a_cache_below_a_writable_non_sticky_directory_is_refused(tmp_path, monk
     assert build_cache.private_dir("cpu_kernels") == shared / "cache" / "cpu_kernels"
 
 
+def test_own_cache_dir_left_writable_by_others_is_closed(cache):
+    kind = cache / "cpu_kernels"
+    kind.mkdir(parents=True)
+    kind.chmod(0o777)  # e.g. made by an older pagedrun under umask 000
+    assert build_cache.private_dir("cpu_kernels") == kind and kind.stat().st_mode & 0o022 == 0
+
+
 @pytest.mark.parametrize("how", ["below-a-file", pytest.param("read-only", marks=pytest.mark.skipif(
     os.geteuid() == 0, reason="root writes read-only directories"))])
 def test_unwritable_cache_turns_the_kernels_off_with_the_reason(tmp_path, monkeypatch, kernel, how):
@@ -292,7 +298,7 @@ def test_every_from_pretrained_call_passes_trust_remote_code_false():
 # ---------------------------------------------------------------- output paths
 
 
-def generate(tmp_path, prompts: Path, out: Path | str, *extra: str):
+def generate(prompts: Path, out: Path | str, *extra: str):
     return CliRunner().invoke(cli.app, ["generate", str(prompts), "-o", str(out), "-q", *extra])
 
 
@@ -320,7 +326,7 @@ def test_output_that_is_not_a_regular_file_is_refused(tmp_path, prompts, kind):
         out.symlink_to(target)
     else:
         out.symlink_to(tmp_path / "nowhere.jsonl")
-    err = one_line_error(generate(tmp_path, prompts, out))
+    err = one_line_error(generate(prompts, out))
     expected = {"device": "is a character device", "directory": "is a directory", "fifo": "is a FIFO"}
     assert f"error: {out}: " + expected.get(kind, "is a symbolic link") in err
     assert target.read_text() == "someone else's file\n"
@@ -362,7 +368,7 @@ def test_derived_paths_never_replace_files_pagedrun_did_not_write(tmp_path, vict
         prompts.write_text(text)
         victim_file = prompts
     before = victim_file.read_bytes()
-    err = one_line_error(generate(tmp_path, prompts, out, *extra))
+    err = one_line_error(generate(prompts, out, *extra))
     assert "choose another -o" in err
     assert victim_file.read_bytes() == before and not out.exists()
 
@@ -374,7 +380,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, p
     first = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert first.stdout.readline().strip() == "ready"
-        err = one_line_error(generate(tmp_path, prompts, out))
+        err = one_line_error(generate(prompts, out))
         assert f"{out}: in use by another pagedrun run (pid {first.pid}" in err
         with pytest.raises(PagedrunError, match=f"pid {first.pid}"):
             OutputWriter(out, FP)
