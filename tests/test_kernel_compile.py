@@ -5,9 +5,10 @@
   test log. By default sm_80 compiles a covering set (every head size and every block size at least
   once per dtype, v1 + v2 + reduce + cache ops) and sm_90 one variant per dtype, one nvcc per dtype
   in parallel; PAGEDRUN_FULL_KERNEL_GATE=1 compiles all 3 x 8 x 3 variants for both (minutes).
-- NVRTC through the low-level cupy.cuda.nvrtc API (createProgram / addNameExpression /
-  compileProgram / getCUBIN), which works without a GPU but needs -I to the CUDA headers. NVRTC
-  rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
+- NVRTC through ctypes (pagedrun.attention.nvrtc: createProgram / addNameExpression /
+  compileProgram / getLoweredName / getCUBIN, the calls cupy.RawModule makes), which needs no GPU
+  and no CuPy, only the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels (the dev extra): every
+  variant, sm_80 and sm_90. NVRTC rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
 Each gate skips with its reason when its compiler is missing; the other tests do not depend on them.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from pagedrun.attention import kernels as K
+from pagedrun.attention import nvrtc
 
 NVCC = shutil.which("nvcc")
 FULL = os.environ.get("PAGEDRUN_FULL_KERNEL_GATE") == "1"
@@ -133,36 +135,41 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     assert hot and all(r.spill_stores == 0 for r in hot), [r for r in hot if r.spill_stores]
 
 
-def _nvrtc():
+def _nvrtc_or_skip():
     try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-        return nvrtc
-    except Exception as e:  # cupy missing, or no libnvrtc (the nvidia-cuda-nvrtc wheel provides it)
-        pytest.skip(f"NVRTC unavailable through cupy.cuda.nvrtc: {e}")
-
-
-@pytest.mark.parametrize("variant", SMALL_VARIANTS, ids=lambda v: f"{v.dtype}-h{v.head_size}-bs{v.block_size}")
-def test_nvrtc_gate(variant):
-    nvrtc = _nvrtc()
+        nvrtc.version()
+    except nvrtc.NvrtcError as e:
+        pytest.skip(f"NVRTC unavailable: {e}")
     includes = K.cuda_include_dirs()
     if not includes:
-        pytest.skip("no CUDA headers (cuda_fp16.h) found for NVRTC: install the CUDA toolkit or set CUDA_PATH")
-    names = variant.name_expressions()
-    prog = nvrtc.createProgram(K.full_source(), "paged_attention.cu", [], [])
+        pytest.skip("no CUDA headers (cuda_fp16.h) for NVRTC: pip install nvidia-cuda-runtime or set CUDA_PATH")
+    return includes
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", list(K.DTYPES))
+def test_nvrtc_gate(dtype, arch, capsys):
+    """Every variant of one dtype (8 head sizes x 3 block sizes, 5 kernels each) in one NVRTC
+    program, as cupy.RawModule would compile it: no error, no warning, every name lowered."""
+    includes = _nvrtc_or_skip()
+    names = list(dict.fromkeys(n for v in K.all_variants() if v.dtype == dtype for n in v.name_expressions()))
     try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        options = ["--gpu-architecture=sm_80", "-std=c++17", *[f"-I{d}" for d in includes]]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as e:
-            pytest.fail(f"NVRTC rejected the sources: {e}\n{nvrtc.getProgramLog(prog)}")
-        lowered = [nvrtc.getLoweredName(prog, n) for n in names]
-        assert all(name.startswith("_Z") for name in lowered), lowered
-        assert len(nvrtc.getCUBIN(prog)) > 10_000
-        log = nvrtc.getProgramLog(prog).strip()
-        assert "warning" not in log.lower(), log
-    finally:
-        nvrtc.destroyProgram(prog)
+        out = nvrtc.compile_program(K.full_source(), names, arch, includes)
+    except nvrtc.NvrtcError as e:
+        pytest.fail(f"NVRTC rejected the sources for {arch}: {e}")
+    with capsys.disabled():
+        print(f"\nNVRTC {'.'.join(map(str, nvrtc.version()))} ({nvrtc.library_path()}) {arch} {dtype}: "
+              f"{len(names)} entry points, cubin {len(out.cubin):,} bytes")
+    assert set(out.lowered) == set(names)
+    assert all(sym.startswith("_Z") for sym in out.lowered.values()), out.lowered
+    assert len(set(out.lowered.values())) == len(names)  # no two names resolved to one symbol
+    assert out.cubin[:4] == b"\x7fELF", "NVRTC returned no cubin"
+    assert "warning" not in out.log.lower(), out.log
+
+
+def test_nvrtc_reports_a_compile_error():
+    """The gate can fail: a source NVRTC rejects (the <cfloat> include nvcc accepts) raises with the log."""
+    includes = _nvrtc_or_skip()
+    v = SMALL_VARIANTS[0]
+    with pytest.raises(nvrtc.NvrtcError, match="cfloat"):
+        nvrtc.compile_program("#include <cfloat>\n" + K.full_source(), v.name_expressions(), "sm_80", includes)
