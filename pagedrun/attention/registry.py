@@ -14,15 +14,20 @@ from pagedrun.errors import PagedrunError
 BACKEND_NAMES = ("auto", "torch", "cupy", "emulated")
 
 
-def _cupy_gpu() -> bool:
+def _cupy_status() -> str | None:
+    """None when CuPy imports and sees a GPU; else why not (for the one-line error)."""
     try:
         import cupy
-    except Exception:  # not installed, or a broken CUDA install: no GPU for us either way
-        return False
+    except Exception as e:  # not installed, two CuPys, or a broken CUDA install
+        return f"import cupy failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     try:
-        return bool(cupy.is_available())
-    except Exception:
-        return False
+        return None if cupy.is_available() else "CuPy sees no CUDA GPU"
+    except Exception as e:
+        return f"CuPy cannot reach a GPU: {e}"
+
+
+def _cupy_gpu() -> bool:
+    return _cupy_status() is None
 
 
 def _emulator_present() -> bool:
@@ -52,8 +57,13 @@ def make_backend(name: str, device: torch.device | str = "cpu"):
 
         return TorchAttentionBackend()
     if name == "cupy":
-        if not _cupy_gpu():
-            raise PagedrunError("attention_backend: cupy needs a CUDA GPU; use auto or torch")
+        why = _cupy_status()
+        if why is not None:
+            if why.startswith("import cupy failed"):
+                from pagedrun.attention.cuda_install import cupy_unavailable_message
+
+                raise PagedrunError(cupy_unavailable_message(why))
+            raise PagedrunError(f"attention_backend: cupy needs a CUDA GPU ({why}); use auto or torch")
         if device.type != "cuda":
             raise PagedrunError(f"attention_backend: cupy needs the model on a CUDA device, not {device}")
         from pagedrun.attention.cupy_backend import CupyAttentionBackend
