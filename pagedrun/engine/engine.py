@@ -17,6 +17,7 @@ import torch
 
 from pagedrun.engine.model_runner import ModelInput, ModelRunner
 from pagedrun.engine.output_processor import check_stop, final_text
+from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
@@ -30,7 +31,6 @@ from pagedrun.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # children of one seeded request draw from distinct streams
 
 
 @dataclass
@@ -127,8 +127,18 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, index: int, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        if sampling.n > self.scheduler.config.max_num_seqs:
+            # A group is admitted whole: n sequences at once could never be. Fan out instead.
+            parent = ParentRequest(sampling.n)
+            for k in range(sampling.n):
+                self._add_group(request_id, index, prompt_token_ids, child_sampling(sampling, k), parent, k)
+            return
+        self._add_group(request_id, index, prompt_token_ids, sampling)
+
+    def _add_group(self, request_id: str, index: int, prompt_token_ids: list[int], sampling: SamplingParams,
+                   parent: ParentRequest | None = None, child_index: int = 0) -> None:
         seq = Sequence(self._new_seq_id(), len(prompt_token_ids), list(prompt_token_ids))
-        group = SequenceGroup(request_id, index, sampling, [seq])
+        group = SequenceGroup(request_id, index, sampling, [seq], parent=parent, child_index=child_index)
         if sampling.seed is not None:
             self.generators[seq.seq_id] = make_generator(sampling.seed)
         self.scheduler.add_group(group)
@@ -144,7 +154,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
-        finished = [self._error_output(g, reason) for g, reason in out.aborted]
+        finished = [o for g, reason in out.aborted if (o := self._error_output(g, reason)) is not None]
         if out.is_empty:
             finished += self._unblock()
             return finished
@@ -209,7 +219,9 @@ class LLMEngine:
         done = self.scheduler.remove_finished()
         for g in done:
             g.finished_time = now
-            finished.append(self._request_output(g))
+            o = self._request_output(g)
+            if o is not None:
+                finished.append(o)
         self._record(out, t_start, len(finished), len(rows))
         return finished
 
@@ -218,7 +230,7 @@ class LLMEngine:
         if group.sampling.seed is None:
             return [None] * fan
         return [self.generators[seq.seq_id]] + [
-            make_generator(group.sampling.seed + k * _CHILD_SEED_STRIDE) for k in range(1, fan)
+            make_generator(group.sampling.seed + k * CHILD_SEED_STRIDE) for k in range(1, fan)
         ]
 
     def _fork(self, group: SequenceGroup, gens: list[torch.Generator | None]) -> list[Sequence]:
@@ -241,33 +253,53 @@ class LLMEngine:
         group = sch.waiting.popleft()
         for seq in group.unfinished_seqs():
             seq.finish("abort")
-        return [self._error_output(group, f"cannot be admitted: {self.kv.num_free_gpu_blocks} KV blocks free of "
-                                          f"{self.kv.num_gpu_blocks}; raise the KV budget")]
+        o = self._error_output(group, f"cannot be admitted: {self.kv.num_free_gpu_blocks} KV blocks free of "
+                                      f"{self.kv.num_gpu_blocks}; raise the KV budget")
+        return [o] if o is not None else []
 
     # ---- outputs --------------------------------------------------------------------------------
-    def _request_output(self, g: SequenceGroup) -> RequestOutput:
-        completions = [
-            CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
-                             s.logprobs if g.sampling.logprobs is not None else None)
-            for i, s in enumerate(g.seqs)
-        ]
+    def _request_output(self, g: SequenceGroup) -> RequestOutput | None:
+        """The finished request's output; None for a fanned-out child whose siblings still run."""
         for s in g.seqs:
             self.generators.pop(s.seq_id, None)
-        t = g.token_times
+        groups = [g]
+        if g.parent is not None:
+            groups = g.parent.child_done(g)
+            if groups is None:
+                return None
+            if g.parent.error is not None:
+                return self._error(g, g.parent.error)
+        first = groups[0]
+        seqs = [s for grp in groups for s in grp.seqs]
+        completions = [
+            CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
+                             s.logprobs if first.sampling.logprobs is not None else None)
+            for i, s in enumerate(seqs)
+        ]
+        arrival = first.arrival_time
+        t = sorted({x for grp in groups for x in grp.token_times})  # steps that produced a token
         itl = [b - a for a, b in zip(t, t[1:])]
         metrics = {
-            "queued_s": _round((g.first_scheduled_time or g.arrival_time) - g.arrival_time),
-            "ttft_s": _round((g.first_token_time or g.arrival_time) - g.arrival_time),
-            "e2e_s": _round((g.finished_time or g.arrival_time) - g.arrival_time),
+            "queued_s": _round(min(grp.first_scheduled_time or arrival for grp in groups) - arrival),
+            "ttft_s": _round(min(grp.first_token_time or arrival for grp in groups) - arrival),
+            "e2e_s": _round(max(grp.finished_time or arrival for grp in groups) - arrival),
             "mean_itl_s": _round(sum(itl) / len(itl)) if itl else None,
             "itl_s": [_round(x) for x in itl],
         }
-        return RequestOutput(g.request_id, g.index, g.seqs[0].token_ids[: g.prompt_len], completions,
-                             g.num_cached_prompt_tokens, g.num_preemptions, metrics)
+        return RequestOutput(first.request_id, first.index, first.seqs[0].token_ids[: first.prompt_len],
+                             completions, first.num_cached_prompt_tokens,
+                             sum(grp.num_preemptions for grp in groups), metrics)
 
-    def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput:
+    def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
+        """An error record for a request that cannot run (None while a fanned-out one has children left)."""
         for s in g.seqs:
             self.generators.pop(s.seq_id, None)
+        if g.parent is not None and g.parent.child_done(g, reason) is None:
+            return None
+        return self._error(g, g.parent.error if g.parent is not None else reason)
+
+    @staticmethod
+    def _error(g: SequenceGroup, reason: str) -> RequestOutput:
         return RequestOutput(g.request_id, g.index, g.seqs[0].token_ids[: g.prompt_len], [], error=reason)
 
     # ---- metrics --------------------------------------------------------------------------------

@@ -86,6 +86,10 @@ class SequenceGroup:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     num_preemptions: int = 0
     forked: bool = False  # n > 1: the prompt sequence has been forked into n children
+    # n > max_num_seqs: this group is completion `child_index` of a fanned-out request
+    # (engine/parallel_sampling.py), merged into one output with its siblings.
+    parent: object | None = None
+    child_index: int = 0
 
     @property
     def prompt_len(self) -> int:
