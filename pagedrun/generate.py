@@ -15,6 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pagedrun.errors import PagedrunError
 from pagedrun.recipe import load_recipe
 
+# Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
+EXIT_OK = 0  # every request has an output
+EXIT_SOME_FAILED = 3  # some requests are error records in the output
+EXIT_ALL_FAILED = 4  # every request is an error record
+
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
@@ -101,7 +106,7 @@ def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, out
         if not quiet:
             console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False, soft_wrap=True,
                           markup=False)
-        return 0
+        return job_exit_code(writer, order, output, console)
 
     total = sum(r.sampling.n for r in pending)
     t0 = time.perf_counter()
@@ -150,7 +155,19 @@ def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, out
                       "run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
-    return 0
+    return job_exit_code(writer, order, output, console)
+
+
+def job_exit_code(writer, order, output: Path, console: Console) -> int:
+    """0 when every request of the job has an output, else 3 (some failed) or 4 (all failed), saying
+    how many, even with --quiet. Counts the output file, so a resumed job counts its earlier runs."""
+    failed = sum(1 for k in order if "error" in writer.done.get(k, {}))
+    if not failed:
+        return EXIT_OK
+    code = EXIT_ALL_FAILED if failed == len(order) else EXIT_SOME_FAILED
+    console.print(f"{failed} of {len(order)} requests failed (their error records are in {output}); exit code {code}",
+                  style="yellow", highlight=False, soft_wrap=True, markup=False)
+    return code
 
 
 def print_startup(console: Console, llm, load_s: float) -> None:

@@ -66,7 +66,9 @@ def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid
         if not quiet:
             console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False,
                           soft_wrap=True, markup=False)
-        return 0
+        from pagedrun.generate import job_exit_code
+
+        return job_exit_code(writer, order, output, console)
     started = connect(address, quiet)
     try:
         n, resources, actor_recipe = actor_resources(recipe, replicas, ray.cluster_resources())
@@ -87,7 +89,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
         TimeRemainingColumn
 
     from pagedrun.engine.llm import output_record
-    from pagedrun.generate import print_summary
+    from pagedrun.generate import job_exit_code, print_summary
     from pagedrun.io.outputs import request_key
 
     if not quiet:
@@ -169,7 +171,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
                       "run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
-    return 0
+    return job_exit_code(writer, order, output, console)
 
 
 def _pass(ray, requests, actor_recipe, replicas: int, resources: dict, batch_size: int, consume, stop) -> None:
