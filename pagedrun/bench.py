@@ -116,11 +116,15 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
     result["machine"]["pagedrun_malloc_tuning"] = next(
         (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
     result["matmul_flops_per_s_samples"] = roof_samples
-    console.print(render_table(result))
+    from pagedrun.bench_tables import bench_tables
+    from pagedrun.tables import results_console
+
+    out = results_console(console)  # the results: on stdout from the CLI, progress stays on stderr
+    out.print(bench_tables(result))
     if mismatches:
-        console.print(f"[bold red]{len(mismatches)} output mismatches[/] (first: {mismatches[0]})", highlight=False)
+        out.print(f"[bold red]{len(mismatches)} output mismatches[/] (first: {mismatches[0]})", highlight=False)
     else:
-        console.print(f"greedy outputs identical across {len(rows)} engine runs for all {len(requests)} requests")
+        out.print(f"greedy outputs identical across {len(rows)} engine runs for all {len(requests)} requests")
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=1))
         console.print(f"results: {json_path}", highlight=False)
@@ -309,20 +313,3 @@ def machine_info(device: str, threads: int) -> dict:
 
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def render_table(result: dict):
-    from rich.table import Table
-
-    t = Table(title=f"pagedrun bench: {result['workload']['name']}, {result['model']['name']} "
-                    f"({result['model']['dtype']}, {result['machine']['threads']} threads)")
-    for col in ("engine", "config", "out tok/s", "total tok/s", "wall s", "peak RSS", "KV util", "x pagedrun",
-                "roofline", "mismatches"):
-        t.add_column(col, justify="left" if col in ("engine", "config") else "right")
-    for r in result["engines"]:
-        ratio = r["ratio_to_pagedrun"]["output_tokens_per_s"]
-        u = r.get("kv_utilisation")
-        t.add_row(r["engine"], r["config"], f"{r['output_tokens_per_s']:,.1f}", f"{r['total_tokens_per_s']:,.1f}",
-                  f"{r['wall_s']:.2f}", f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB", f"{u:.1%}" if u is not None else "-",
-                  f"{ratio:.2f}" if ratio is not None else "-", f"{r['roofline_fraction']:.1%}", str(r["mismatches"]))
-    return t

@@ -1,8 +1,8 @@
 """`pagedrun profile-memory`: where every byte goes, and how the budget becomes KV blocks.
 
 It starts the engine exactly as `pagedrun generate` would (load, profile pass, plan, allocate the
-cache), then prints the plan as a table, each number marked measured or derived, and optionally
-writes the same numbers as JSON (field names documented in docs/memory.md, schema below).
+cache), then prints the plan as a table on stdout, each number marked measured or derived, and
+optionally writes the same numbers as JSON (field names documented in docs/memory.md, schema below).
 With --prompts it also sizes the cache against that file's real requests.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -17,6 +18,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.kv.profiler import rss_bytes
 from pagedrun.recipe import load_recipe
+from pagedrun.tables import results_console
 
 SCHEMA = "pagedrun.profile-memory/1"
 
@@ -34,7 +36,7 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
     except KVBudgetError as e:
         # Show every number that led to the refusal, then let the CLI print the one-line error.
         data = plan_json(e.plan, recipe, None, error=str(e))
-        console.print(plan_table(data))
+        results_console(console).print(plan_table(data))
         _write_json(json_path, data)
         raise
     engine = llm.engine
@@ -50,7 +52,7 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
     data = plan_json(engine.memory, recipe, fit, model=model)
     if engine.device.type == "cpu":
         data["measured"]["rss_after_start_bytes"] = rss_bytes()
-    console.print(plan_table(data))
+    results_console(console).print(plan_table(data))
     _write_json(json_path, data)
     return 0
 
@@ -121,10 +123,12 @@ def plan_table(d: dict) -> Table:
     m, x, r = d["measured"] or {}, d["derived"], d["recipe"]
     cuda = d["device"].startswith("cuda")
     title = "pagedrun profile-memory" + (f" — {d['model']['architecture']}, {d['model']['dtype']}" if d["model"] else "")
-    t = Table(title=title, title_justify="left")
+    # No side borders, columns two spaces apart: at 80 columns "how" keeps ~30 of them, and folds
+    # (a path) rather than cut. Numbers never wrap: a number cut in two reads as two numbers.
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
     t.add_column("quantity")
-    t.add_column("value", justify="right")
-    t.add_column("", style="dim")  # measured | derived
+    t.add_column("value", justify="right", no_wrap=True)
+    t.add_column("source", style="dim", no_wrap=True)  # measured | derived
     t.add_column("how", style="dim", overflow="fold")
     M, D = "measured", "derived"
     b = fmt_bytes
