@@ -57,6 +57,17 @@ class Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than Python converts (4300)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} digits is too long", node.start_mark) from None
+
+
+Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+
+
 class DuplicateKey(Exception):
     def __init__(self, key: Any, line: int, first: int) -> None:
         self.key, self.line, self.first = key, line, first

@@ -131,6 +131,8 @@ def _parse_line(raw: bytes) -> dict[str, Any]:
         raise _LineError(None, f"invalid JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise _LineError(None, "invalid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise _LineError(None, f"invalid JSON: {' '.join(str(e).split()[:12])}") from None
     if not isinstance(obj, dict):
         raise _LineError(None, f"must be a JSON object, got {_json_type(obj)}")
     return obj
@@ -255,16 +257,20 @@ def _max_token_chars(tokenizer: Any) -> int:
 
 
 def _encode(text: str, tokenizer: Any, max_model_len: int, field: str, kwargs: dict) -> list[int]:
-    """tokenizer.encode(text), tokenizing at most the characters max_model_len tokens can cover.
+    """tokenizer.encode(text), tokenizing little more than the characters max_model_len tokens cover.
 
-    Text longer than that holds more tokens than max_model_len (each token covers at most
-    _max_token_chars characters), so only its head is tokenized, to say how many tokens it makes."""
-    budget = max_model_len * _max_token_chars(tokenizer)
-    if len(text) <= budget:
-        return list(tokenizer.encode(text, **kwargs))
-    n = len(tokenizer.encode(text[:budget], **kwargs))
-    raise _TooLong(field, f"prompt has more than {max_model_len - 1} tokens: its first {budget:,} of "
-                          f"{len(text):,} characters make {n:,}; max_model_len is {max_model_len}")
+    Each token covers at most _max_token_chars characters, so the first (max_model_len + 1) times
+    that many make more than max_model_len tokens and only that head is tokenized, to count them.
+    (A tokenizer that drops characters, e.g. whitespace, may make fewer: the head doubles until it
+    makes too many tokens or is the whole text, so such text is still tokenized exactly.)"""
+    head = (max_model_len + 1) * _max_token_chars(tokenizer)
+    while len(text) > head:
+        n = len(tokenizer.encode(text[:head], **kwargs))
+        if n > max_model_len:  # cutting the text changes the count by a token at most
+            raise _TooLong(field, f"prompt has more than {max_model_len - 1} tokens: its first {head:,} of "
+                                  f"{len(text):,} characters make {n:,}; max_model_len is {max_model_len}")
+        head *= 2
+    return list(tokenizer.encode(text, **kwargs))
 
 
 def _check_vocab(ids: list[int], vocab_size: int, field: str) -> None:
