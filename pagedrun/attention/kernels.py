@@ -12,13 +12,14 @@ variant's `dtype` says how the kernel reads them.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+# NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
+from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ATTENTION_SOURCE = "paged_attention.cu"
@@ -41,6 +42,9 @@ DTYPES: dict[str, tuple[str, Any]] = {
     "float32": ("float", np.float32),
 }
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
+# gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y and
+# copy_blocks its block pairs, so longer launches are split into chunks of rows.
+MAX_GRID_Y = 65535
 
 
 def load_source(name: str) -> str:
@@ -155,31 +159,6 @@ def reduce_shared_mem(max_num_partitions: int) -> int:
 ModuleFactory = Callable[[str, list[str]], Any]
 
 
-def cuda_include_dirs() -> list[str]:
-    """Directories holding cuda_fp16.h / cuda_bf16.h for NVRTC (it has no default include path)."""
-    candidates: list[Path] = []
-    for env in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "include")
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(Path(nvcc).resolve().parents[1] / "include")
-    candidates += [Path("/usr/local/cuda/include")]
-    try:  # pip wheels (nvidia-cuda-runtime-cu12 ships the headers)
-        import nvidia  # type: ignore
-
-        for base in nvidia.__path__:
-            candidates += sorted(Path(base).glob("cuda_runtime/include"))
-            candidates += sorted(Path(base).glob("cu*/include"))
-    except ImportError:
-        pass
-    seen: list[str] = []
-    for c in candidates:
-        if (c / "cuda_fp16.h").is_file() and str(c) not in seen:
-            seen.append(str(c))
-    return seen
-
-
 def cupy_module_factory(code: str, names: list[str]) -> Any:
     import cupy
 
@@ -196,20 +175,36 @@ def emulator_module_factory(schedule: str = "round_robin", poison_shared: bool =
     return make
 
 
-class PagedKernels:
-    """The five kernels of one variant, with launchers. `xp` allocates v2 scratch buffers."""
+Alloc = Callable[[tuple, Any], Any]  # (shape, numpy dtype) -> an uninitialised device array
 
-    def __init__(self, variant: KernelVariant, module: Any, xp: Any):
+
+class PagedKernels:
+    """The five kernels of one variant, with launchers. `xp` allocates v2 scratch buffers unless
+    a launch is given `alloc` (the CuPy backend allocates through torch, so its caching allocator
+    and the memory profile see the scratch)."""
+
+    def __init__(self, variant: KernelVariant, module: Any, xp: Any, smem_optin: int | None = None):
         self.variant = variant
         self.xp = xp
         self.module = module  # a cupy.RawModule or EmuModule holding (at least) this variant's kernels
+        # The device's sharedMemPerBlockOptin (static + dynamic); None: let the launch report it.
+        self.smem_optin = smem_optin
+        self.max_grid_y = MAX_GRID_Y  # tests lower it to exercise the chunking
         self._functions: dict[str, Any] = {}
 
     def function(self, name: str, shared_mem: int = 0) -> Any:
+        """The kernel, opted in to `shared_mem` bytes of dynamic shared memory when its current
+        limit is lower. The limit is read from the function, never assumed to be 48 KiB: the default
+        may be 48 KiB minus the kernel's static shared memory (GPU-REVIEW Q1)."""
         fn = self._functions.get(name)
         if fn is None:
             fn = self._functions[name] = self.module.get_function(name)
-        if shared_mem > DEFAULT_SMEM_LIMIT and getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_mem:
+        limit = getattr(fn, "max_dynamic_shared_size_bytes", None)
+        if limit is not None and shared_mem > limit:
+            static = int(getattr(fn, "shared_size_bytes", 0) or 0)
+            _check(self.smem_optin is None or static + shared_mem <= self.smem_optin,
+                   f"{name} needs {shared_mem} B dynamic + {static} B static shared memory, over the "
+                   f"device's {self.smem_optin} B per block (sharedMemPerBlockOptin)")
             fn.max_dynamic_shared_size_bytes = shared_mem
         return fn
 
@@ -224,7 +219,7 @@ class PagedKernels:
         self._check_cache(key_cache, value_cache)
         for name, t in (("key", key), ("value", value)):
             _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), f"{name} shape {t.shape}")
-            _check(t.strides[2] == t.itemsize and t.strides[1] == head_size * t.itemsize, f"{name} rows must be contiguous")
+            _check(rows_contiguous(t), f"{name} rows must be contiguous")
             _check(t.dtype == key_cache.dtype, f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
         _check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
         row = num_kv_heads * head_size
@@ -245,22 +240,25 @@ class PagedKernels:
         if num_layers == 0 or num_pairs == 0:
             return
         fn = self.function(self.variant.copy_blocks_name)
-        fn(
-            (num_layers, num_pairs, 1),
-            (min(numel_per_block, 1024), 1, 1),
-            (key_cache_ptrs, value_cache_ptrs, block_mapping, np.int32(numel_per_block)),
-        )
+        for lo in range(0, num_pairs, self.max_grid_y):  # pairs sit on gridDim.y
+            chunk = block_mapping[lo : lo + self.max_grid_y]
+            fn(
+                (num_layers, int(chunk.shape[0]), 1),
+                (min(numel_per_block, 1024), 1, 1),
+                (key_cache_ptrs, value_cache_ptrs, chunk, np.int32(numel_per_block)),
+            )
 
     # ------------------------------------------------------------ attention
 
     def paged_attention(
         self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
-        scale: float, version: str | None = None,
+        scale: float, version: str | None = None, alloc: Alloc | None = None,
     ) -> str:
         """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
 
         max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
         Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks).
+        More than max_grid_y sequences are launched in chunks of rows (sequences sit on gridDim.y).
         """
         v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
@@ -270,13 +268,14 @@ class PagedKernels:
         self._check_cache(key_cache, value_cache)
         _check(head_size == cache_head_size, f"query head_size {head_size} != cache {cache_head_size}")
         _check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-        _check(query.strides[2] == query.itemsize and query.strides[1] == head_size * query.itemsize,
-               "query heads must be contiguous")
+        _check(rows_contiguous(query), "query heads must be contiguous")
         _check(query.dtype == key_cache.dtype and out.dtype == key_cache.dtype, "query/out dtype != cache dtype")
-        _check(out.flags.c_contiguous and tuple(out.shape) == tuple(query.shape), "out must be contiguous like query")
-        _check(block_tables.dtype == np.int32 and block_tables.flags.c_contiguous and block_tables.ndim == 2,
+        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
+               "out must be contiguous like query")
+        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
                "block_tables must be contiguous int32 [num_seqs, max_blocks]")
-        _check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs, "seq_lens must be int32 [num_seqs]")
+        _check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs and c_contiguous_ignoring_size1(seq_lens),
+               "seq_lens must be contiguous int32 [num_seqs]")
         _check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
         max_seq_len = max(int(max_seq_len), 1)
         if self.xp is np and num_seqs:  # cheap on the host; on a GPU it would cost a sync
@@ -285,23 +284,35 @@ class PagedKernels:
                f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
         if version is None:
             version = "v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2"
-        q_stride = np.int32(query.strides[0] // query.itemsize)
+        if version not in ("v1", "v2"):
+            raise ValueError(f"paged attention version {version!r}: v1 or v2")
+        # A single row may carry a normalised stride (DLPack's size-1 rule); it is never stepped over.
+        q_stride = np.int32(query.strides[0] // query.itemsize if num_seqs > 1 else num_heads * head_size)
+        empty = alloc or (lambda shape, dtype: self.xp.empty(shape, dtype=dtype))
+        for lo in range(0, num_seqs, self.max_grid_y):
+            hi = min(num_seqs, lo + self.max_grid_y)
+            rows = (out[lo:hi], query[lo:hi], block_tables[lo:hi], seq_lens[lo:hi])
+            self._attention_launch(version, *rows, key_cache, value_cache, num_kv_heads, q_stride,
+                                   max_seq_len, scale, empty)
+        return version
+
+    def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
+                          num_kv_heads, q_stride, max_seq_len, scale, empty) -> None:
+        v = self.variant
+        num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         common = (
             query, key_cache, value_cache, np.int32(num_kv_heads), np.float32(scale),
             block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride,
         )
         block = (NUM_THREADS, 1, 1)
         if version == "v1":
-            smem = v1_shared_mem(max_seq_len, head_size, block_size)
+            smem = v1_shared_mem(max_seq_len, head_size, v.block_size)
             self.function(v.v1_name, smem)((num_heads, num_seqs, 1), block, (out,) + common, shared_mem=smem)
-            return "v1"
-        if version != "v2":
-            raise ValueError(f"paged attention version {version!r}: v1 or v2")
+            return
         parts = num_partitions(max_seq_len)
-        xp = self.xp
-        exp_sums = xp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-        max_logits = xp.empty((num_seqs, num_heads, parts), dtype=np.float32)
-        tmp_out = xp.empty((num_seqs, num_heads, parts, head_size), dtype=np.float32)
+        exp_sums = empty((num_seqs, num_heads, parts), np.float32)
+        max_logits = empty((num_seqs, num_heads, parts), np.float32)
+        tmp_out = empty((num_seqs, num_heads, parts, head_size), np.float32)
         smem = v2_shared_mem(head_size)
         self.function(v.v2_name, smem)(
             (num_heads, num_seqs, parts), block, (exp_sums, max_logits, tmp_out) + common, shared_mem=smem
@@ -311,18 +322,39 @@ class PagedKernels:
             (num_heads, num_seqs, 1), block,
             (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts)), shared_mem=rsmem,
         )
-        return "v2"
 
     @staticmethod
     def _check_cache(key_cache, value_cache) -> None:
         _check(key_cache.ndim == 4 and tuple(key_cache.shape) == tuple(value_cache.shape),
                "key/value caches must be [num_blocks, block_size, num_kv_heads, head_size]")
-        _check(key_cache.flags.c_contiguous and value_cache.flags.c_contiguous, "caches must be contiguous")
+        _check(c_contiguous_ignoring_size1(key_cache) and c_contiguous_ignoring_size1(value_cache),
+               "caches must be contiguous")
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"paged kernels: {message}")
+
+
+def rows_contiguous(a) -> bool:
+    """[rows, heads, head_size] with each row's heads packed: head_size elements of stride 1, heads
+    head_size apart. Dimensions of size 1 are not checked: torch 1.13 to about 2.9 export stride 1
+    for them through DLPack (so MQA's single KV head would look non-contiguous) and no
+    kernel ever steps along them."""
+    if a.ndim != 3:
+        return False
+    expect = (None, int(a.shape[2]) * a.itemsize, a.itemsize)
+    return all(int(a.shape[d]) <= 1 or a.strides[d] == expect[d] for d in (1, 2))
+
+
+def c_contiguous_ignoring_size1(a) -> bool:
+    """C-contiguous, with the strides of size-1 dimensions ignored (DLPack's normalisation)."""
+    expect = a.itemsize
+    for d in range(a.ndim - 1, -1, -1):
+        if int(a.shape[d]) > 1 and a.strides[d] != expect:
+            return False
+        expect *= int(a.shape[d])
+    return True
 
 
 # ---------------------------------------------------------------- prefill as pseudo-sequences
@@ -358,11 +390,17 @@ def build_kernels(
 @functools.lru_cache(maxsize=None)
 def emulated_kernels(variant: KernelVariant, schedule: str = "round_robin") -> PagedKernels:
     """Compiled once per process per (variant, schedule): emulator compiles are the slow part."""
-    return build_kernels(emulator_module_factory(schedule), [variant], np)[variant]
+    from pagedrun.cudaemu.module import MAX_OPT_IN_SHARED
+
+    ker = build_kernels(emulator_module_factory(schedule), [variant], np)[variant]
+    ker.smem_optin = MAX_OPT_IN_SHARED
+    return ker
 
 
 @functools.lru_cache(maxsize=None)
-def cupy_kernels(variant: KernelVariant) -> PagedKernels:
+def cupy_kernels(variant: KernelVariant, device: int = 0) -> PagedKernels:
     import cupy
 
-    return build_kernels(cupy_module_factory, [variant], cupy)[variant]
+    ker = build_kernels(cupy_module_factory, [variant], cupy)[variant]
+    ker.smem_optin = int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+    return ker

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import glob
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,3 +140,28 @@ def _log(lib: ctypes.CDLL, prog: ctypes.c_void_p) -> str:
 def library_path() -> str:
     """Which libnvrtc was loaded (for test logs)."""
     return str(Path(load()._name))
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_bf16.h for NVRTC (it has no default include path)."""
+    candidates: list[Path] = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
+    candidates += [Path("/usr/local/cuda/include")]
+    try:  # pip wheels (nvidia-cuda-runtime-cu12 ships the headers)
+        import nvidia  # type: ignore
+
+        for base in nvidia.__path__:
+            candidates += sorted(Path(base).glob("cuda_runtime/include"))
+            candidates += sorted(Path(base).glob("cu*/include"))
+    except ImportError:
+        pass
+    seen: list[str] = []
+    for c in candidates:
+        if (c / "cuda_fp16.h").is_file() and str(c) not in seen:
+            seen.append(str(c))
+    return seen
