@@ -1,12 +1,14 @@
 """Paged attention on an NVIDIA GPU: the kernels/*.cu sources through cupy.RawModule (NVRTC).
 
 Tensors stay torch CUDA tensors owned by the engine; each call wraps them as CuPy arrays through
-DLPack (zero copy, bf16 as an int16 view since the kernels only need the address) and launches on
-torch's current stream, so ordering with the model's own kernels needs no synchronisation.
+DLPack (zero copy, bf16 as an int16 view since the kernels only need the address, strides taken
+from torch) and launches on torch's current stream, so ordering with the model's own kernels needs
+no synchronisation. Every device allocation (v2 scratch, the step's index arrays) comes from
+torch's caching allocator, so the memory plan and torch's accounting see all of it.
 
-- forward: reshape_and_cache, then one paged-attention launch (v1 or v2 by vLLM's rule) over
-  "pseudo-sequences": decode tokens are themselves, prefill token j of sequence i is a decode query
-  of length context_i + j + 1 on sequence i's block table (docs/kernels.md, "Prefill").
+- forward: reshape_and_cache, then the paged kernels (v1 or v2 by vLLM's rule) for decode tokens
+  and torch SDPA (tensor cores) for prefilling sequences over their new + cached tokens. The
+  step's kernel inputs are built by the first layer and reused by the others (paged_step.py).
 - copy_blocks: all layers in one launch through int64 arrays of layer base addresses.
 - swap_blocks: one async cudaMemcpy per block between device and (pinned) host caches.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from pagedrun.attention import kernels as K
+from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
 
@@ -25,27 +28,57 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addres
 
 
 def as_cupy(t: torch.Tensor):
+    """A CuPy array sharing t's memory, with t's own strides (bf16 as an int16 view).
+
+    torch 1.13 to about 2.9 export stride 1 for every size-1 dimension through DLPack; the kernels
+    never step along those, but restriding from the torch tensor keeps every stride true."""
     import cupy
 
     t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return cupy.from_dlpack(t)
+    return torch_strided(cupy.from_dlpack(t), t, cupy)
+
+
+def torch_strided(arr, t: torch.Tensor, xp):
+    """arr (a DLPack import of t) viewed with t's strides in bytes, where they differ."""
+    want = tuple(int(s) * t.element_size() for s in t.stride())
+    if tuple(arr.strides) == want or t.numel() == 0:
+        return arr
+    return xp.lib.stride_tricks.as_strided(arr, shape=tuple(arr.shape), strides=want)
+
+
+def torch_alloc(device: torch.device):
+    """v2 scratch from torch's caching allocator (seen by its accounting and the memory profile,
+    reused across steps), wrapped as CuPy arrays. The DLPack capsule keeps the tensor alive."""
+    dtypes = {np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+
+    def alloc(shape: tuple, dtype) -> object:
+        return as_cupy(torch.empty(shape, dtype=dtypes[np.dtype(dtype)], device=device))
+
+    return alloc
 
 
 class CupyAttentionBackend:
     name = "cupy"
 
-    def __init__(self) -> None:
+    def __init__(self, prefill: str = "sdpa") -> None:
+        """prefill: "sdpa" (default) runs prefill through torch's scaled_dot_product_attention on
+        tensor cores and the paged kernels for decode; "kernel" runs prefill tokens through the paged
+        kernels as pseudo-sequences (GPU tests compare the two)."""
         import cupy
 
         if not cupy.is_available():
             raise PagedrunError("attention_backend: cupy needs a CUDA GPU; use auto or torch")
+        if prefill not in paged_step.PREFILL_MODES:
+            raise ValueError(f"cupy backend: prefill {prefill!r}: one of {', '.join(paged_step.PREFILL_MODES)}")
+        self.prefill = prefill
         self.last_version: str | None = None
 
     def kernels(self, cache: torch.Tensor) -> K.PagedKernels:
         _, block_size, _, head_size = cache.shape
-        return K.cupy_kernels(K.KernelVariant(K.dtype_name(cache.dtype), int(head_size), int(block_size)))
+        return K.cupy_kernels(K.KernelVariant(K.dtype_name(cache.dtype), int(head_size), int(block_size)),
+                              cache.device.index or 0)
 
     @contextlib.contextmanager
     def _stream(self, device: torch.device):
@@ -65,50 +98,31 @@ class CupyAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        import cupy
-
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
         ker = self.kernels(key_cache)
         device = key_cache.device
-        out = torch.zeros_like(query, memory_format=torch.contiguous_format)
-        num_real = sum(meta.query_lens_list)
         with self._stream(device):
-            kc, vc = as_cupy(key_cache), as_cupy(value_cache)
-            ker.reshape_and_cache(
-                as_cupy(key.contiguous()), as_cupy(value.contiguous()), kc, vc,
-                as_cupy(meta.slot_mapping.to(device=device, dtype=torch.int64).contiguous()),
-            )
-            if num_real == 0:
-                return out
-            q = as_cupy(query[:num_real].contiguous())
-            block_tables = as_cupy(meta.block_tables.to(device=device, dtype=torch.int32).contiguous())
-            if meta.is_decode_only and num_real == meta.num_seqs:
-                seq_lens_np = np.asarray(meta.seq_lens_list, dtype=np.int32)
-            else:
-                token_to_seq, seq_lens_np = K.pseudo_sequences(meta.query_lens_list, meta.seq_lens_list)
-                block_tables = cupy.ascontiguousarray(block_tables[cupy.asarray(token_to_seq)])
-            seq_lens = cupy.asarray(seq_lens_np)
-            o = as_cupy(out)[:num_real]
-            self.last_version = ker.paged_attention(
-                o, q, kc, vc, block_tables, seq_lens, int(seq_lens_np.max()), float(scale)
-            )
+            step = paged_step.cached(meta, device, as_cupy, self.prefill, self.name)
+            out, version = paged_step.forward(ker, step, as_cupy, query, key, value, key_cache, value_cache,
+                                              meta, scale, alloc=torch_alloc(device))
+        if version != "none":
+            self.last_version = version
         return out
 
     def copy_blocks(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
     ) -> None:
-        import cupy
-
         if not kv_caches or not pairs:
             return
         first = kv_caches[0][0]
         ker = self.kernels(first)
-        with self._stream(first.device):
-            key_ptrs = cupy.asarray(np.array([k.data_ptr() for k, _ in kv_caches], dtype=np.int64))
-            value_ptrs = cupy.asarray(np.array([v.data_ptr() for _, v in kv_caches], dtype=np.int64))
-            mapping = cupy.asarray(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
-            ker.copy_blocks(key_ptrs, value_ptrs, mapping, int(np.prod(first.shape[1:])))
+        device = first.device
+        with self._stream(device):  # the small index arrays come from torch's allocator too
+            key_ptrs = torch.tensor([k.data_ptr() for k, _ in kv_caches], dtype=torch.int64).to(device)
+            value_ptrs = torch.tensor([v.data_ptr() for _, v in kv_caches], dtype=torch.int64).to(device)
+            mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+            ker.copy_blocks(as_cupy(key_ptrs), as_cupy(value_ptrs), as_cupy(mapping), int(np.prod(first.shape[1:])))
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
         """Swap out (GPU -> pinned CPU) or in (CPU -> GPU): one async copy per (src_block, dst_block).

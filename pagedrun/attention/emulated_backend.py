@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedrun.attention import kernels as K
+from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
 
 
@@ -33,8 +34,13 @@ class EmulatedAttentionBackend:
         self,
         schedule: str = "round_robin",
         kernels: Callable[[K.KernelVariant], K.PagedKernels] | None = None,
+        prefill: str = "kernel",
     ):
+        """prefill: "kernel" runs prefill tokens through the paged kernels as pseudo-sequences (what
+        CI checks the kernels on); "sdpa" is the CuPy backend's path on a GPU (prefill through torch
+        SDPA, kernels for decode), run here so CI checks that path's host logic."""
         self.schedule = schedule
+        self.prefill = prefill
         # Tests hand in kernels from a module they already compiled (emulator builds cost seconds).
         self._kernels = kernels or (lambda variant: K.emulated_kernels(variant, schedule))
         self.last_version: str | None = None  # "v1" / "v2" of the latest attention launch (tests)
@@ -53,29 +59,13 @@ class EmulatedAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        ker = self.kernels(key_cache)
-        kc, vc = as_numpy(key_cache), as_numpy(value_cache)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
-        ker.reshape_and_cache(
-            as_numpy(key.contiguous()), as_numpy(value.contiguous()), kc, vc,
-            as_numpy(meta.slot_mapping.to(torch.int64).contiguous()),
-        )
-        out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay 0
-        num_real = sum(meta.query_lens_list)
-        if num_real == 0:
-            return out
-        q = as_numpy(query[:num_real].contiguous())
-        if meta.is_decode_only and num_real == meta.num_seqs:
-            block_tables = as_numpy(meta.block_tables.to(torch.int32).contiguous())
-            seq_lens = np.asarray(meta.seq_lens_list, dtype=np.int32)
-        else:
-            token_to_seq, seq_lens = K.pseudo_sequences(meta.query_lens_list, meta.seq_lens_list)
-            block_tables = np.ascontiguousarray(as_numpy(meta.block_tables.to(torch.int32))[token_to_seq])
-        o = as_numpy(out)[:num_real]
-        self.last_version = ker.paged_attention(
-            o, q, kc, vc, block_tables, seq_lens, int(seq_lens.max()), float(scale)
-        )
+        ker = self.kernels(key_cache)
+        step = paged_step.cached(meta, key_cache.device, as_numpy, self.prefill, self.name)
+        out, version = paged_step.forward(ker, step, as_numpy, query, key, value, key_cache, value_cache, meta, scale)
+        if version != "none":
+            self.last_version = version
         return out
 
     def copy_blocks(

@@ -16,7 +16,8 @@ absolute position context_lens[i] + j and attends (causally) to cache positions 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ class AttentionMetadata:
     # Python-side copies of the small per-sequence vectors, so backends need no device sync to loop.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # What a backend derives from this step once and reuses in every layer (block tables gathered
+    # per kernel row, device copies, wrapped arrays): pagedrun/attention/paged_step.py.
+    backend_state: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

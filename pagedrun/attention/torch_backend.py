@@ -6,8 +6,9 @@ then attention over each sequence's blocks, found through its block table.
 - Decode tokens (query length 1, the bulk of the work in a batch job) are done together: one gather
   of every sequence's blocks (padded to the longest), a length mask, one batched SDPA call with
   GQA (K/V are never repeated per query head). No Python loop over sequences.
-- Prefill tokens (query length > 1) go one sequence at a time through torch SDPA; with a cached
-  prefix (context_lens > 0) the causal mask is shifted by the context length.
+- Prefill tokens (query length > 1) go one sequence at a time through torch SDPA
+  (pagedrun/attention/sdpa_prefill.py, shared with the CuPy backend); with a cached prefix
+  (context_lens > 0) the causal mask is shifted by the context length.
 
 On the CPU the fast path is the C++ kernel (kernels/cpu/paged_attention_cpu.cpp through
 pagedrun.attention.cpu_kernels, issue 8): one call per layer for every token of the step, reading K/V
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from pagedrun.attention import cpu_kernels
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs
 
 
 class TorchAttentionBackend:
@@ -122,18 +124,8 @@ class TorchAttentionBackend:
         if decode_seqs:
             tok = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
             out[tok] = self._decode(query[tok], key_cache, value_cache, meta, decode_seqs, scale)
-        context_lens = meta.context_lens.tolist()
-        for i, n in enumerate(qlens):
-            if n <= 1:
-                continue
-            s = starts[i]
-            ctx, seq_len = context_lens[i], meta.seq_lens_list[i]
-            if ctx == 0:
-                # Nothing cached before this step: this step's K/V are the whole sequence.
-                k, v = key[s : s + n], value[s : s + n]
-            else:
-                k, v = _gather_one(key_cache, value_cache, meta.block_tables[i], seq_len, meta.block_size)
-            out[s : s + n] = _prefill_attention(query[s : s + n], k, v, ctx, scale)
+        attend_prefills(out, query, key, value, key_cache, value_cache, meta.block_tables,
+                        prefill_seqs(qlens, meta.seq_lens_list), meta.block_size, scale)
         return out
 
     def _decode(self, query, key_cache, value_cache, meta, seqs, scale) -> torch.Tensor:
@@ -233,26 +225,3 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() else (
         t.to("cpu", torch.int64).contiguous())
-
-
-def _gather_one(key_cache, value_cache, block_table, seq_len: int, block_size: int):
-    """One sequence's first seq_len cached K/V, [seq_len, kv_heads, hd] each."""
-    ids = block_table[: -(-seq_len // block_size)].long()
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    return k, v
-
-
-def _prefill_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
-    """q [n, heads, hd] at positions context_len.., k/v [context_len+n, kv_heads, hd]."""
-    n, seq_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
-    if context_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query j sits at absolute position context_len + j and sees keys 0..context_len + j.
-        q_pos = torch.arange(context_len, context_len + n, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)

@@ -1,0 +1,109 @@
+"""One step's inputs for the paged kernels, built once per step and reused by every layer.
+
+Every layer of a step attends with the same slot mapping, block tables and lengths; only the
+caches and the activations change. So the host work (which tokens go to the kernels, their block
+table rows and lengths, the host-to-device copies and the wraps as device arrays) is done by the
+first layer and cached on the step's AttentionMetadata; the other layers reuse it. It is all done
+with torch on the cache's device, so on a GPU it is in torch's allocator (and its accounting).
+
+Two ways to do prefill, one per backend need:
+- "sdpa": only decode tokens (query length 1) go through the paged kernels; each prefilling
+  sequence goes through torch's scaled_dot_product_attention (tensor cores on a GPU;
+  pagedrun/attention/sdpa_prefill.py). The CuPy backend's default.
+- "kernel": every token is a paged-kernel row, prefill token j of sequence i a "pseudo-sequence"
+  of length context_i + j + 1 on i's block table (kernels.pseudo_sequences). The emulated
+  backend's default, so CI runs the kernels on prefill too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from pagedrun.attention import kernels as K
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.sdpa_prefill import PrefillSeq, attend_prefills, prefill_seqs
+
+PREFILL_MODES = ("sdpa", "kernel")
+Wrap = Callable[[torch.Tensor], Any]  # torch tensor -> device array sharing its memory
+
+
+@dataclass
+class PagedStep:
+    slot_mapping: Any  # device array int64 [num_tokens]
+    num_rows: int  # queries that go through the paged kernels
+    row_tokens: torch.Tensor | None  # their token indices; None: tokens 0..num_rows-1 in order
+    block_tables: Any  # device array int32 [num_rows, max_blocks]
+    seq_lens: Any  # device array int32 [num_rows]
+    max_seq_len: int
+    prefills: list[PrefillSeq]  # sequences for SDPA ("sdpa" mode)
+    block_tables_t: torch.Tensor  # the step's block tables on the device (SDPA's prefix gathers)
+    # torch tensors behind the device arrays: they must outlive every layer's launches
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: str) -> PagedStep:
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill mode {prefill!r}: one of {', '.join(PREFILL_MODES)}")
+    slot = meta.slot_mapping.to(device=device, dtype=torch.int64).contiguous()
+    tables = meta.block_tables.to(device=device, dtype=torch.int32).contiguous()
+    qlens, slens = meta.query_lens_list, meta.seq_lens_list
+    num_real = sum(qlens)
+    prefills: list[PrefillSeq] = []
+    row_tokens = None
+    if meta.is_decode_only and num_real == meta.num_seqs:
+        bt, lens = tables, torch.tensor(slens, dtype=torch.int32).to(device)
+        max_seq_len = max(slens)
+    elif prefill == "sdpa":
+        prefills = prefill_seqs(qlens, slens)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        decodes = [i for i, n in enumerate(qlens) if n == 1]
+        row_tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long).to(device)
+        seqs = torch.tensor(decodes, dtype=torch.long).to(device)
+        bt = tables.index_select(0, seqs).contiguous()
+        lens = torch.tensor([slens[i] for i in decodes], dtype=torch.int32).to(device)
+        max_seq_len = max((slens[i] for i in decodes), default=0)
+    else:
+        token_to_seq, seq_lens = K.pseudo_sequences(qlens, slens)
+        bt = tables.index_select(0, torch.from_numpy(token_to_seq).to(device)).contiguous()
+        lens = torch.from_numpy(seq_lens).to(device)
+        max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
+    num_rows = int(lens.shape[0])
+    return PagedStep(wrap(slot), num_rows, row_tokens, wrap(bt), wrap(lens), max_seq_len, prefills, tables,
+                     keep=[slot, tables, bt, lens])
+
+
+def cached(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: str, owner: str) -> PagedStep:
+    """The step's PagedStep, built by the first layer that asks (per backend, device and mode)."""
+    key = ("paged_step", owner, str(device), prefill)
+    step = meta.backend_state.get(key)
+    if step is None:
+        step = meta.backend_state[key] = build(meta, device, wrap, prefill)
+    return step
+
+
+def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value, key_cache, value_cache,
+            meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None) -> tuple[torch.Tensor, str]:
+    """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
+    prefills. Returns (out, the kernel version launched or "none")."""
+    kc, vc = wrap(key_cache), wrap(value_cache)
+    ker.reshape_and_cache(wrap(key.contiguous()), wrap(value.contiguous()), kc, vc, step.slot_mapping)
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay 0
+    version = "none"
+    if step.num_rows:
+        if step.row_tokens is None:
+            q, o = query[: step.num_rows].contiguous(), out[: step.num_rows]
+        else:
+            q = query.index_select(0, step.row_tokens)
+            o = torch.empty_like(q)
+        version = ker.paged_attention(wrap(o), wrap(q), kc, vc, step.block_tables, step.seq_lens,
+                                      step.max_seq_len, float(scale), alloc=alloc)
+        if step.row_tokens is not None:
+            out.index_copy_(0, step.row_tokens, o)
+    if step.prefills:
+        attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
+                        meta.block_size, scale)
+    return out, version
