@@ -38,3 +38,317 @@ def test_cupy_backend_without_cupy_is_one_line_naming_an_extra(monkeypatch):
     monkeypatch.setattr(registry, "_cupy_status", lambda: "CuPy sees no CUDA GPU")
     with pytest.raises(PagedrunError, match="needs a CUDA GPU"):
         registry.make_backend("cupy", "cuda")
+
+
+# ---------------------------------------------------------------- 1. DLPack's size-1 strides
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import test_kernels as T  # noqa: E402
+from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention import paged_step  # noqa: E402
+from test_kernels import emu  # noqa: E402,F401  (the module-scoped emulator fixture)
+
+
+def dlpack_normalised(a: np.ndarray) -> np.ndarray:
+    """The same memory with the strides torch 1.13 to ~2.9 export through DLPack: one element for
+    every size-1 dimension (pytorch#83158)."""
+    strides = tuple(a.itemsize if n == 1 else s for n, s in zip(a.shape, a.strides))
+    return np.lib.stride_tricks.as_strided(a, a.shape, strides)
+
+
+def test_mqa_with_normalised_strides_runs_and_matches(emu):
+    v = K.KernelVariant("float16", 64, 16)
+    ker = emu("float16")[v]
+    case = T.make_case(v, [1, 37, 200], num_heads=4, num_kv_heads=1, seed=3)  # MQA: one KV head
+    kc, vc = dlpack_normalised(case.key_cache), dlpack_normalised(case.value_cache)
+    assert kc.strides[2] == kc.itemsize != 64 * kc.itemsize  # what the old row check rejected
+    out = case.empty_out()
+    for version in ("v1", "v2"):
+        ker.paged_attention(out, case.query, kc, vc, case.block_tables, case.seq_lens_arr,
+                            case.max_seq_len, case.scale, version=version)
+        T.assert_close(T.to_f64(out, "float16"), case.reference(), "float16", f"MQA {version}")
+    # one query head, and a single sequence (its row stride normalised too)
+    case1 = T.make_case(v, [70], num_heads=1, num_kv_heads=1, seed=4)
+    q1 = dlpack_normalised(case1.query)
+    assert q1.strides == (2, 2, 2)
+    out1 = dlpack_normalised(case1.empty_out())
+    ker.paged_attention(out1, q1, dlpack_normalised(case1.key_cache), dlpack_normalised(case1.value_cache),
+                        dlpack_normalised(case1.block_tables), case1.seq_lens_arr, 70, case1.scale)
+    T.assert_close(T.to_f64(np.ascontiguousarray(out1), "float16"), case1.reference(), "float16", "one head")
+    # reshape_and_cache from an MQA key [T, 1, D] and a single-token key
+    rng = np.random.default_rng(0)
+    key = T.to_device_dtype(rng.standard_normal((3, 1, 64)), "float16")
+    cache = np.zeros((4, 16, 1, 64), np.float16)
+    vcache = np.zeros_like(cache)
+    ker.reshape_and_cache(dlpack_normalised(key), dlpack_normalised(key), dlpack_normalised(cache),
+                          dlpack_normalised(vcache), np.array([5, -1, 40], np.int64))
+    assert (cache.reshape(-1, 1, 64)[[5, 40]] == key[[0, 2]]).all() and (vcache == cache).all()
+    ker.reshape_and_cache(dlpack_normalised(key[:1]), dlpack_normalised(key[:1]), cache, vcache,
+                          np.array([63], np.int64))
+    assert (cache.reshape(-1, 1, 64)[63] == key[0]).all()
+
+
+def test_non_contiguous_rows_still_refused(emu):
+    v = K.KernelVariant("float16", 64, 16)
+    ker = emu("float16")[v]
+    key = np.zeros((3, 4, 64), np.float16)[:, ::2]  # two heads 128 elements apart
+    cache = np.zeros((2, 16, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="key rows must be contiguous"):
+        ker.reshape_and_cache(key, key, cache, cache.copy(), np.array([0, 1, 2], np.int64))
+
+
+def test_torch_strided_takes_the_torch_tensors_strides():
+    from pagedrun.attention.cupy_backend import torch_strided
+
+    for t in (torch.zeros(5, 1, 64, dtype=torch.float16), torch.zeros(1, 4, 64), torch.zeros(1, 1, 32)):
+        arr = dlpack_normalised(t.numpy())
+        fixed = torch_strided(arr, t, np)
+        assert fixed.strides == t.numpy().strides
+        assert fixed.__array_interface__["data"][0] == t.data_ptr()
+        assert torch_strided(t.numpy(), t, np) is not None
+
+
+# ---------------------------------------------------------------- 3. launch limits
+
+
+class FakeFn:
+    """Records launches; shared-memory attributes as CuPy reports them."""
+
+    def __init__(self, name, log, static=0, limit=48 * 1024):
+        self.name, self.log, self.shared_size_bytes = name, log, static
+        self._limit, self.opted_in = limit, []
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._limit
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, v):
+        self.opted_in.append(v)
+        self._limit = v
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.log.append((self.name, tuple(grid), args, shared_mem))
+
+
+class FakeModule:
+    def __init__(self, static=0, limit=48 * 1024):
+        self.log, self.fns, self.static, self.limit = [], {}, static, limit
+
+    def get_function(self, name):
+        return self.fns.setdefault(name, FakeFn(name, self.log, self.static, self.limit))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_launch_grid_folds_past_65535_rows(version):
+    v = K.KernelVariant("float32", 32, 8)
+    mod = FakeModule()
+    ker = K.PagedKernels(v, mod, np)
+    n = 70_000  # one pseudo-sequence per token of a 70k-token step
+    q = np.zeros((n, 2, 32), np.float32)
+    out = np.zeros_like(q)
+    kc = np.zeros((3, 8, 1, 32), np.float32)
+    bt = np.zeros((n, 1), np.int32)
+    lens = np.ones(n, np.int32)
+    ker.paged_attention(out, q, kc, kc.copy(), bt, lens, 8, 0.1, version=version)
+    attn = [entry for entry in mod.log if "reduce" not in entry[0]]
+    assert [g[1] for _, g, _, _ in attn] == [65535, n - 65535]
+    assert all(g[0] == 2 for _, g, _, _ in attn)  # heads on x
+    # each chunk gets its own rows: out/query/block_tables/seq_lens start at the chunk's first row
+    arg = {"v1": ((0, out), (1, q), (6, bt), (7, lens)), "v2": ((3, q), (8, bt), (9, lens))}[version]
+    second = attn[1][2]
+    for i, base in arg:
+        assert second[i].__array_interface__["data"][0] == base[65535:].__array_interface__["data"][0]
+    pairs = np.stack([np.arange(70_000), np.arange(70_000)], 1).astype(np.int64)
+    mod.log.clear()
+    ker.copy_blocks(np.zeros(2, np.int64), np.zeros(2, np.int64), pairs, 256)
+    assert [g[1] for _, g, _, _ in mod.log] == [65535, 70_000 - 65535]
+
+
+def test_grid_chunks_give_identical_results(emu):
+    v = K.KernelVariant("float16", 64, 16)
+    base = emu("float16")[v]
+    small = K.PagedKernels(v, base.module, np)
+    small.max_grid_y = 2  # 5 sequences -> launches of 2, 2, 1 rows
+    case = T.make_case(v, [1, 37, 513, 100, 1100], 4, 2, seed=5)
+    for version in ("v1", "v2"):
+        a, b = case.empty_out(), case.empty_out()
+        for ker, o in ((base, a), (small, b)):
+            ker.paged_attention(o, case.query, case.key_cache, case.value_cache, case.block_tables,
+                                case.seq_lens_arr, case.max_seq_len, case.scale, version=version)
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), version
+    kc = np.random.default_rng(1).standard_normal((8, 16, 2, 64)).astype(np.float16)
+    vc = kc + 1
+    expect_k, expect_v = kc.copy(), vc.copy()
+    pairs = [(0, 3), (1, 4), (2, 5), (0, 6), (1, 7)]
+    for s, d in pairs:
+        expect_k[d], expect_v[d] = kc[s], vc[s]
+    small.copy_blocks(np.array([kc.ctypes.data], np.int64), np.array([vc.ctypes.data], np.int64),
+                      np.array(pairs, np.int64), 16 * 2 * 64)
+    assert np.array_equal(kc, expect_k) and np.array_equal(vc, expect_v)
+
+
+def test_shared_memory_opt_in_counts_static_and_reads_the_limit():
+    v = K.KernelVariant("float16", 128, 16)
+    # a default limit of 48 KiB minus the kernel's 544 B of static shared memory (GPU-REVIEW Q1)
+    mod = FakeModule(static=544, limit=48 * 1024 - 544)
+    ker = K.PagedKernels(v, mod, np, smem_optin=227 * 1024)
+    fn = ker.function(v.v1_name, 48 * 1024)  # exactly 48 KiB dynamic: must opt in
+    assert fn.opted_in == [48 * 1024]
+    fn2 = ker.function(v.v2_name, 40 * 1024)  # under the function's limit: untouched
+    assert fn2.opted_in == []
+    with pytest.raises(ValueError, match="544 B static .* over the device's 232448 B"):
+        ker.function(v.reduce_name, 227 * 1024)  # 227 KiB dynamic + 544 static > opt-in maximum
+    # v1 at 12,288 tokens needs exactly 48 KiB of logits: the launch opts in
+    q = np.zeros((1, 2, 128), np.float16)
+    kc = np.zeros((769, 16, 1, 128), np.float16)
+    ker2 = K.PagedKernels(v, FakeModule(static=544, limit=48 * 1024 - 544), np)
+    ker2.paged_attention(q.copy(), q, kc, kc, np.zeros((1, 769), np.int32), np.array([12288], np.int32),
+                         12288, 0.1, version="v1")
+    launched = ker2.module.log[0]
+    assert launched[3] == 48 * 1024 and ker2.module.fns[v.v1_name].opted_in == [48 * 1024]
+
+
+# ---------------------------------------------------------------- 4. the step's metadata, once
+
+
+@pytest.mark.parametrize("prefill", paged_step.PREFILL_MODES)
+def test_step_inputs_built_once_and_reused_by_every_layer(emu, monkeypatch, prefill):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    calls = []
+    real = paged_step.build
+    monkeypatch.setattr(paged_step, "build", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill=prefill)
+    spec = T.StepSpec([0, 40, 7, 0], [5, 3, 1, 1])  # prefill, prefix + prefill, two decodes
+    layers = [T.build_step(spec, torch.float32, 64, 32, 4, 2, seed=11) for _ in range(3)]
+    meta = layers[0][5]
+    for q, k, v, kc, vc, _, fk, fv in layers:
+        out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+        ref = T.causal_reference(q, meta, fk, fv, 0.125, 4, 2)
+        n = sum(spec.query_lens)
+        T.assert_close(out[:n].double().numpy(), ref[:n].numpy(), "float32", f"{prefill} layer")
+    assert calls == [meta]  # built by the first layer, reused by the other two
+    step = next(iter(meta.backend_state.values()))
+    assert step.num_rows == (2 if prefill == "sdpa" else sum(spec.query_lens))
+    backend.forward(*layers[0][:5], T.build_step(spec, torch.float32, 64, 32, 4, 2, seed=11)[5], 0.125)
+    assert len(calls) == 2  # a new step builds anew
+
+
+# ---------------------------------------------------------------- 5. prefill through SDPA
+
+
+@pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
+def test_sdpa_prefill_path_matches_reference(emu, case):
+    """The CuPy backend's GPU path (SDPA prefill + paged decode kernels), run on the CPU."""
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    dtype_name, D, bs, H, KVH, spec = case
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill="sdpa")
+    q, k, v, kc, vc, meta, fk, fv = T.build_step(spec, getattr(torch, dtype_name), D, bs, H, KVH, seed=D + bs)
+    out = backend.forward(q, k, v, kc, vc, meta, D**-0.5)
+    ref = T.causal_reference(q, meta, fk, fv, D**-0.5, H, KVH)
+    n = sum(spec.query_lens)
+    # SDPA rounds like torch, not like the kernels: compare at the dtype's tolerance, x2 for bf16 SDPA
+    T.assert_close(out[:n].double().numpy(), ref[:n].numpy(), dtype_name, "sdpa path")
+    assert (out[n:] == 0).all()
+    flat_k = kc.view(-1, KVH, D)
+    assert torch.equal(flat_k[meta.slot_mapping[:n]], k[:n])  # the kernels wrote every new token
+
+
+def test_sdpa_prefill_only_step_launches_no_attention_kernel(emu):
+    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill="sdpa")
+    spec = T.StepSpec([0, 16], [9, 4])
+    q, k, v, kc, vc, meta, fk, fv = T.build_step(spec, torch.float16, 64, 16, 4, 2, seed=2)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    assert backend.last_version is None  # no paged-attention launch: both sequences went to SDPA
+    T.assert_close(out[:13].double().numpy(), T.causal_reference(q, meta, fk, fv, 0.125, 4, 2)[:13].numpy(),
+                   "float16", "prefill only")
+
+
+# ---------------------------------------------------------------- 2. memory: budget and allocation
+
+from pagedrun.kv import memory as M  # noqa: E402
+from pagedrun.kv.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
+from pagedrun.kv.profiler import CudaReadings, cuda_profile  # noqa: E402
+from pagedrun.recipe import CacheConfig  # noqa: E402
+
+GiB = 1 << 30
+
+
+def llama8b_scratch(max_model_len, paged_decode=True, seqs=256):
+    return M.attention_scratch_bytes(num_heads=32, num_kv_heads=8, head_size=128, elem_bytes=2, block_size=16,
+                                     max_model_len=max_model_len, max_num_seqs=seqs, max_num_batched_tokens=2048,
+                                     paged_decode=paged_decode)
+
+
+def test_attention_scratch_is_the_v2_worst_case_at_long_context():
+    # 32k context: 64 partitions; 256 decode rows x 32 heads x 64 parts x (128 + 2) fp32 = 272.6 MB
+    v2 = 256 * 32 * 64 * 130 * 4
+    gather = 2 * 32768 * 8 * 128 * 2 + 2048 * 32768
+    tables = 256 * (2048 + 3) * 4 + 8 * 256
+    assert llama8b_scratch(32768) == max(v2, gather) + tables
+    assert llama8b_scratch(32768, paged_decode=False) == gather  # the torch backend: SDPA's gather only
+    # 4k context: v1 for >= 512 (rows x heads) blocks; v2 only for up to 512 / 32 = 16 rows
+    assert llama8b_scratch(4096) >= 16 * 32 * 8 * 130 * 4
+    assert llama8b_scratch(512) == 2 * 512 * 8 * 128 * 2 + 512 * 512 + 256 * (32 + 3) * 4 + 8 * 256  # one partition
+    assert llama8b_scratch(65536) > llama8b_scratch(32768) > llama8b_scratch(8192)
+
+
+def readings(**kw):
+    base = dict(total=80 * GiB, free_before=62 * GiB, free_after=62 * GiB, torch_allocated_before=17 * GiB,
+                torch_peak_allocated=19 * GiB, torch_reserved_after=int(16.5 * GiB), dummy_kv_bytes=1 * GiB)
+    return CudaReadings(**{**base, **kw})
+
+
+def plan(r, u=0.9, scratch=0, mml=32768):
+    return M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
+                         cache_cfg=CacheConfig(gpu_memory_utilization=u), max_model_len=mml, max_num_seqs=256,
+                         uses_swap=False, host_available_bytes=100 * GiB, attention_scratch=scratch)
+
+
+def test_budget_counts_scratch_and_reserved_not_allocated():
+    base = plan(readings())
+    slack = plan(readings(torch_peak_reserved=20 * GiB))  # 1 GiB reserved above the allocated peak
+    assert slack.profile.reserved_slack_bytes == 1 * GiB
+    assert base.kv_budget_bytes - slack.kv_budget_bytes == 1 * GiB
+    s = llama8b_scratch(32768)
+    with_scratch = plan(readings(), scratch=s)
+    assert base.kv_budget_bytes - with_scratch.kv_budget_bytes == s
+    assert with_scratch.attention_scratch_bytes == s
+    assert "attention scratch at max_model_len" in with_scratch.summary()[1]
+
+
+def test_utilization_above_095_warns():
+    assert not plan(readings(), u=0.95).warnings
+    p = plan(readings(), u=0.97)
+    assert any(w.startswith("cache.gpu_memory_utilization=0.97 leaves under 5%") for w in p.warnings)
+
+
+def test_cache_allocation_rechecks_free_memory_and_maps_oom():
+    dev = torch.device("cuda:0")
+    shape, need = (16, 2, 1024, 16, 8, 128), 16 * 2 * 1024 * 16 * 8 * 128 * 2  # 1 GiB of bf16
+    got = allocate_cache(shape, torch.bfloat16, dev, mem_get_info=lambda d: (2 * GiB, 80 * GiB),
+                         empty=lambda s, dtype, device: ("allocated", s, dtype))
+    assert got == ("allocated", shape, torch.bfloat16)
+    with pytest.raises(KVAllocationError) as e:  # another process took the room since the profile
+        allocate_cache(shape, torch.bfloat16, dev, mem_get_info=lambda d: (need - 1, 80 * GiB),
+                       empty=lambda *a, **k: pytest.fail("must not allocate"))
+    msg = str(e.value)
+    assert msg.startswith("cache.gpu_memory_utilization: the KV cache needs 1.00 GiB but cuda:0 has 1.00 GiB free")
+    assert "\n" not in msg
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.\nmore detail")
+
+    with pytest.raises(KVAllocationError) as e:
+        allocate_cache(shape, torch.bfloat16, dev, mem_get_info=lambda d: (2 * GiB, 80 * GiB), empty=oom)
+    msg = str(e.value)
+    assert "allocating the KV cache (1.00 GiB) on cuda:0 failed" in msg and "Tried to allocate" in msg
+    assert "\n" not in msg and "lower cache.gpu_memory_utilization" in msg
+    # the CPU path allocates directly
+    assert allocate_cache((2, 3), torch.float32, torch.device("cpu")).shape == (2, 3)

@@ -11,9 +11,11 @@ The manager decides which blocks move; this class only moves bytes.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Callable, Union
 
 import torch
+
+from pagedrun.errors import PagedrunError
 
 BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
 
@@ -51,7 +53,7 @@ class CacheEngine:
         shape = (num_layers, 2)
         block_shape = (block_size, num_kv_heads, head_size)
         # Uninitialised on purpose: a slot is only read after the step that wrote it.
-        self.gpu_kv_cache = torch.empty(shape + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
+        self.gpu_kv_cache = allocate_cache(shape + (num_gpu_blocks,) + block_shape, self.dtype, self.device)
         # Pinned host memory makes host<->device copies DMA transfers that need no staging copy.
         pin = self.device.type == "cuda"
         self.cpu_kv_cache = torch.empty(shape + (num_cpu_blocks,) + block_shape, dtype=self.dtype, pin_memory=pin)
@@ -107,3 +109,40 @@ class CacheEngine:
         src, dst = src.to(self.device), dst.to(self.device)
         # Gather before scatter, so a destination that is also a source reads the old bytes.
         self.gpu_kv_cache.index_copy_(2, dst, self.gpu_kv_cache.index_select(2, src))
+
+
+# torch.OutOfMemoryError is torch >= 2.5; torch.cuda's name for it is older
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+class KVAllocationError(PagedrunError):
+    """The planned KV cache does not fit the device at allocation time (one line, with the numbers)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def allocate_cache(shape: tuple, dtype: torch.dtype, device: torch.device,
+                   mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
+                   empty: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
+    """torch.empty, on CUDA after checking that the device still has the room the plan counted on
+    (another process may have taken it since the profile), and with a CUDA out-of-memory turned
+    into one line naming the bytes and the recipe field, instead of a traceback."""
+    if device.type != "cuda":
+        return empty(shape, dtype=dtype, device=device)
+    need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    fix = "lower cache.gpu_memory_utilization (or cache.num_blocks), or free the device"
+    if need > free:
+        raise KVAllocationError(
+            f"cache.gpu_memory_utilization: the KV cache needs {_gib(need)} but {device} has {_gib(free)} free of "
+            f"{_gib(total)} now (less than at the memory profile: another process?); {fix}")
+    try:
+        return empty(shape, dtype=dtype, device=device)
+    except _OOM as e:
+        free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+        first = str(e).splitlines()[0][:160] if str(e) else "out of memory"
+        raise KVAllocationError(
+            f"cache.gpu_memory_utilization: allocating the KV cache ({_gib(need)}) on {device} failed with "
+            f"{free / (1 << 30):.2f} of {_gib(total)} free ({first}); {fix}") from None

@@ -2,7 +2,8 @@
 
     1. profile: one forward pass of max_num_batched_tokens dummy tokens spread over max_num_seqs
        sequences, logits of each sequence's last token, the sampler on them; measure the peak.
-    2. budget:  CUDA  floor(total x gpu_memory_utilization) - peak in use
+    2. budget:  CUDA  floor(total x gpu_memory_utilization) - peak in use - attention scratch
+                      (the worst case at max_model_len, which the profile pass cannot reach)
                 CPU   cache.kv_cache_memory (bytes, or a fraction of MemAvailable after the pass)
     3. blocks:  floor(budget / block_bytes),
                 block_bytes = 2 (K, V) x layers x kv_heads x head_dim x block_size x dtype bytes
@@ -26,6 +27,7 @@ from pagedrun.kv.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20
 GiB = 1 << 30
+HIGH_UTILIZATION = 0.95  # above this, warn: the unprofiled remainder has almost no room
 
 
 # ---------------------------------------------------------------- the plan
@@ -50,6 +52,9 @@ class MemoryPlan:
     # sequences into float32 copies; with a full cache that is about 2 x 4/elem x KV / layers.
     # 0 when the backend reads the cache in place (the CUDA kernels).
     decode_gather_bytes: int = 0
+    # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
+    # the profile pass exercised, at max_model_len (attention_scratch_bytes); inside the budget.
+    attention_scratch_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     profile: MemoryProfile | None = None
     warnings: list[str] = field(default_factory=list)
@@ -104,7 +109,9 @@ class MemoryPlan:
             f"{self.block_bytes / 1024:.1f} KiB/block); max concurrency at max_model_len={self.max_model_len}: "
             f"{self.max_concurrency:.2f}x; "
             + (f"swap {self.num_cpu_blocks:,} blocks" if self.swap_used else "no swap (preemption_mode recompute)")
-            + (f"; decode gather est. {fmt_bytes(self.decode_gather_bytes)}" if self.decode_gather_bytes else ""))
+            + (f"; decode gather est. {fmt_bytes(self.decode_gather_bytes)}" if self.decode_gather_bytes else "")
+            + (f"; attention scratch at max_model_len est. {fmt_bytes(self.attention_scratch_bytes)}"
+               if self.attention_scratch_bytes else ""))
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
@@ -138,20 +145,48 @@ def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype) -> int:
     return model_cfg.kv_bytes_per_token(dtype_bytes(dtype)) * block_size
 
 
+def attention_scratch_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, elem_bytes: int,
+                            block_size: int, max_model_len: int, max_num_seqs: int,
+                            max_num_batched_tokens: int, paged_decode: bool) -> int:
+    """The worst case, per layer call, of what attention allocates at max_model_len that the profile
+    pass (fresh prompts of at most max_num_batched_tokens / max_num_seqs tokens) never allocates:
+
+    - prefill with a cached prefix (SDPA, every CUDA backend): the prefix's K/V gathered into one
+      [max_model_len, kv_heads, head_size] pair, and the shifted causal mask (bool, queries x keys);
+    - paged_decode (the CuPy kernels): v2's per-partition partials for max_num_seqs decode rows,
+      fp32 [rows, heads, parts, head_size + 2], and the rows' block tables and lengths.
+    The two are never live at once (one layer's decode launch ends before its prefills start)."""
+    from pagedrun.attention import kernels as K
+
+    padded = -(-max_model_len // block_size) * block_size
+    gather = 2 * padded * num_kv_heads * head_size * elem_bytes + min(max_num_batched_tokens, max_model_len) * padded
+    v2 = tables = 0
+    if paged_decode:
+        parts = K.num_partitions(max_model_len)
+        # v2 runs above 8192 tokens, or with few (rows x heads) blocks: the rows it can run with
+        rows = max_num_seqs if max_model_len > K.V1_MAX_SEQ_LEN else min(max_num_seqs, K.V1_MIN_BLOCKS // num_heads)
+        v2 = rows * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
+        tables = max_num_seqs * (padded // block_size + 3) * 4 + 8 * max_num_seqs
+    return max(gather, v2) + tables
+
+
 def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_model_len: int, max_num_seqs: int,
                 uses_swap: bool, host_available_bytes: int, gather_layers: int | None = None,
-                elem_bytes: int = 4) -> MemoryPlan:
-    """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError."""
+                elem_bytes: int = 4, attention_scratch: int = 0) -> MemoryPlan:
+    """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError.
+    attention_scratch (CUDA): attention_scratch_bytes(...) for this model and backend."""
     bb, bs = block_bytes, cache_cfg.block_size
     cuda = profile.device.startswith("cuda")
     blocks_per_seq = -(-max_model_len // bs)
     seq_bytes = blocks_per_seq * bb
-    peak = profile.peak_in_use_bytes
+    peak = profile.peak_in_use_bytes + (attention_scratch if cuda else 0)
     if cuda:
         u = cache_cfg.gpu_memory_utilization
         allowed = int(profile.total_bytes * u)
         budget = allowed - peak
         source = f"{u:g} x {fmt_bytes(profile.total_bytes)} total - {fmt_bytes(peak)} peak in use"
+        if attention_scratch:
+            source += f" (incl. {fmt_bytes(attention_scratch)} attention scratch at max_model_len)"
     else:
         budget = cache_cfg.kv_cache_bytes(host_available_bytes)
         mem = cache_cfg.kv_cache_memory
@@ -165,7 +200,14 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         capped_to_blocks=None, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         blocks_from_budget=from_budget, gpu_memory_utilization=cache_cfg.gpu_memory_utilization if cuda else None,
         host_available_bytes=host_available_bytes, profile=profile,
+        attention_scratch_bytes=attention_scratch if cuda else 0,
     )
+    if cuda and cache_cfg.gpu_memory_utilization > HIGH_UTILIZATION:
+        plan.warnings.append(
+            f"cache.gpu_memory_utilization={cache_cfg.gpu_memory_utilization:g} leaves under "
+            f"{(1 - HIGH_UTILIZATION) * 100:.0f}% of the device for what the profile cannot see (cuBLAS "
+            f"workspaces, kernels loaded later, fragmentation, other processes); an out-of-memory mid-run "
+            f"is likely: 0.9 is the default")
     if plan.overridden:
         plan.num_gpu_blocks = cache_cfg.num_blocks
         if plan.num_gpu_blocks < blocks_per_seq:
@@ -202,7 +244,9 @@ def _check_budget(plan: MemoryPlan, budget: int, seq_bytes: int, peak: int, cuda
             raise KVBudgetError(
                 f"{field_}: {u:g} x {fmt_bytes(total)} = {fmt_bytes(total * u)} is below the {fmt_bytes(peak)} "
                 f"already in use at the profile's peak (weights {fmt_bytes(p.weights_bytes)}, activations "
-                f"{fmt_bytes(p.activation_peak_bytes)}, outside torch {fmt_bytes(p.non_torch_bytes)}); "
+                f"{fmt_bytes(p.activation_peak_bytes)}, outside torch {fmt_bytes(p.non_torch_bytes)}"
+                + (f", attention scratch {fmt_bytes(plan.attention_scratch_bytes)}" if plan.attention_scratch_bytes else "")
+                + "); "
                 f"{fmt_bytes(peak - total * u)} missing: {fix}", plan)
         if budget < seq_bytes:
             need = (peak + seq_bytes) / total
@@ -299,11 +343,18 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     profile = run_profile(model, model_cfg, backend, dtype=dtype, device=device,
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
                           max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len)
+    scratch = 0
+    if device.type == "cuda":
+        scratch = attention_scratch_bytes(
+            num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
+            head_size=model_cfg.head_dim, elem_bytes=dtype_bytes(dtype), block_size=recipe.cache.block_size,
+            max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, paged_decode=backend.name == "cupy")
     return plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
                        gather_layers=model_cfg.num_hidden_layers if _gathers_on_decode(backend, device) else None,
-                       elem_bytes=dtype_bytes(dtype))
+                       elem_bytes=dtype_bytes(dtype), attention_scratch=scratch)
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:

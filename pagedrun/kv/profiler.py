@@ -1,7 +1,8 @@
 """Step 1 of the KV sizing (pagedrun/kv/memory.py): one profile pass of the worst step the
 scheduler may build, and the machine's memory read around it.
 
-    CUDA  torch.cuda max_memory_allocated for the pass, cudaMemGetInfo for everything outside torch
+    CUDA  torch.cuda max_memory_allocated for the pass (+ reserved-not-allocated at its peak),
+          cudaMemGetInfo for everything outside torch
     CPU   peak RSS over the pass: the kernel's high-water mark reset via /proc/self/clear_refs and
           read from VmHWM (a 1 ms VmRSS sampler where clear_refs cannot be written)
 
@@ -40,11 +41,16 @@ class MemoryProfile:
     profile_tokens: int
     profile_seqs: int
     profile_s: float
+    # CUDA: torch's reserved-but-unallocated bytes at the pass's peak (caching-allocator
+    # fragmentation: held from the driver, unusable by the KV cache); 0 on CPU.
+    reserved_slack_bytes: int = 0
 
     @property
     def peak_in_use_bytes(self) -> int:
-        """What the KV cache must leave room for: weights + other torch + activation peak + non-torch."""
-        return self.weights_bytes + self.torch_other_bytes + self.activation_peak_bytes + self.non_torch_bytes
+        """What the KV cache must leave room for: weights + other torch + activation peak + non-torch
+        + torch's reserved-not-allocated slack at the peak."""
+        return (self.weights_bytes + self.torch_other_bytes + self.activation_peak_bytes + self.non_torch_bytes
+                + self.reserved_slack_bytes)
 
 
 def meminfo() -> dict[str, int]:
@@ -212,6 +218,7 @@ class CudaReadings:
     torch_reserved_after: int
     dummy_kv_bytes: int
     cupy_pool_bytes: int = 0
+    torch_peak_reserved: int = 0  # max_memory_reserved over the pass (0: not read)
 
 
 def _read_cuda(step, device, dummy_bytes: int) -> dict:
@@ -224,7 +231,8 @@ def _read_cuda(step, device, dummy_bytes: int) -> dict:
     step()
     torch.cuda.synchronize(device)
     return dict(total=total, free_before=free_before, torch_allocated_before=allocated_before,
-                torch_peak_allocated=torch.cuda.max_memory_allocated(device), dummy_kv_bytes=dummy_bytes)
+                torch_peak_allocated=torch.cuda.max_memory_allocated(device), dummy_kv_bytes=dummy_bytes,
+                torch_peak_reserved=torch.cuda.max_memory_reserved(device))
 
 
 def _read_cuda_after(device) -> dict:
@@ -251,6 +259,7 @@ def cuda_profile(r: CudaReadings, weights_bytes: int, device: str = "cuda:0") ->
         non_torch_bytes=non_torch,
         torch_other_bytes=max(0, r.torch_allocated_before - r.dummy_kv_bytes - weights_bytes),
         cupy_pool_bytes=r.cupy_pool_bytes, profile_tokens=0, profile_seqs=0, profile_s=0.0,
+        reserved_slack_bytes=max(0, r.torch_peak_reserved - r.torch_peak_allocated),
     )
 
 
