@@ -1,16 +1,29 @@
-"""Achieved memory bandwidth of the paged decode kernel (kernels/paged_attention.cu) on a GPU.
+"""Achieved memory bandwidth of the paged decode kernel (kernels/paged_attention.cu) on a GPU,
+as a fraction of a measured device-to-device copy.
 
-    python3 benchmarks/kernel_bandwidth.py [--iters 50] [--dtype float16] [--quick]
+    python3 benchmarks/kernel_bandwidth.py [--dtype bfloat16] [--head-size 128] [--configs 64x4096,8x16384]
+                                           [--iters 50] [--json PATH]
 
 Decode attention reads every cached K and V row of every sequence once per kv head group, so its
-roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time. Bytes count each (token,
-kv head) row of K and V once, as HBM traffic; GQA query heads of one kv head re-read the same rows,
-mostly from L2. Prints a table per (batch, context) with the version the launcher picks (v1/v2
-by vLLM's rule) and both versions forced. Exits 0 with "no GPU" when cupy sees none.
+roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time (GQA query heads of one kv
+head re-read the same rows, mostly from L2, and are not counted again). What keeps this a
+bandwidth measurement and not a measurement of Python or of L2:
+
+- launch overhead out: `iters` launches are captured once in a CUDA graph and the graph is timed
+  (a launch through pagedrun's Python launcher costs 50-100 us, more than small kernels take);
+  where capture fails, the launches are queued and timed with events, and the row says "queued";
+- L2 out: each configuration's K/V is replicated until the copies together exceed 4 x L2, and
+  consecutive launches read different copies;
+- the roof is measured: a 2 GiB cudaMemcpy device-to-device, counted as bytes read + written
+  (how an H100's ~3.0 TB/s is usually quoted), not the theoretical clock x bus width.
+
+Rows: the version vLLM's rule picks, then v1 and v2 forced (v1 above 48 KiB of logits opts in to
+more shared memory: 32k tokens need 128 KiB). Prints one line and exits 0 without a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedrun.attention import kernels as K  # noqa: E402
+
+DEFAULT_CONFIGS = "1x4096,8x1024,32x512,64x2048,64x4096,128x1024,8x16384,4x32768"
+L2_MULTIPLE = 4  # K/V copies together exceed this many L2s
 
 
 def gpu_available() -> bool:
@@ -30,96 +46,184 @@ def gpu_available() -> bool:
         return False
 
 
-def peak_bandwidth_gbs() -> float | None:
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        seqs, _, ctx = item.strip().partition("x")
+        if not (seqs.isdigit() and ctx.isdigit() and int(seqs) > 0 and int(ctx) > 0):
+            raise SystemExit(f"--configs: {item!r} is not SEQSxCONTEXT (e.g. 64x4096)")
+        out.append((int(seqs), int(ctx)))
+    return out
+
+
+def copies_for_l2(kv_bytes: int, l2_bytes: int, multiple: int = L2_MULTIPLE) -> int:
+    """How many K/V copies to rotate through so that their sum exceeds multiple x L2."""
+    return max(1, -(-(multiple * l2_bytes + 1) // max(kv_bytes, 1)))
+
+
+def measured_copy_gbs(nbytes: int = 2**31, reps: int = 20) -> float:
+    """Device-to-device cudaMemcpy bandwidth, bytes read + written per second / 1e9."""
     import cupy
 
-    try:
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        clock_khz, bus_bits = props.get("memoryClockRate", 0), props.get("memoryBusWidth", 0)
-        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
-    except Exception:
-        return None
+    x = cupy.empty(nbytes, dtype=cupy.uint8)
+    y = cupy.empty_like(x)
+    y.data.copy_from_device(x.data, nbytes)  # warm-up
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        y.data.copy_from_device(x.data, nbytes)
+    stop.record()
+    stop.synchronize()
+    seconds = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+    del x, y
+    cupy.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / seconds / 1e9
 
 
-def setup(variant: K.KernelVariant, num_seqs: int, context: int, num_heads: int, num_kv_heads: int, seed: int = 0):
+def setup(variant: K.KernelVariant, num_seqs: int, context: int, num_heads: int, num_kv_heads: int,
+          copies: int, seed: int = 0):
+    """`copies` independent K/V caches (same block tables), one query/out; K/V bytes of one copy."""
     import cupy
 
     rng = np.random.default_rng(seed)
     bs, D = variant.block_size, variant.head_size
     blocks_per_seq = -(-context // bs)
     num_blocks = num_seqs * blocks_per_seq
-    dt = variant.np_dtype
     cache_shape = (num_blocks, bs, num_kv_heads, D)
-    if variant.dtype == "bfloat16":  # random bf16 bits with a sane exponent range
-        make = lambda shape: cupy.asarray(  # noqa: E731
-            (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
-    else:
-        make = lambda shape: cupy.random.standard_normal(shape, dtype=np.float32).astype(dt)  # noqa: E731
-    key_cache, value_cache = make(cache_shape), make(cache_shape)
+
+    def make(shape):
+        x = cupy.random.standard_normal(shape, dtype=np.float32)
+        if variant.dtype == "bfloat16":  # the top 16 bits of fp32 are a bf16
+            return (x.view(np.uint32) >> 16).astype(np.uint16)
+        return x.astype(variant.np_dtype)
+
+    caches = [(make(cache_shape), make(cache_shape)) for _ in range(copies)]
     query = make((num_seqs, num_heads, D))
     block_tables = cupy.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, blocks_per_seq))
     seq_lens = cupy.full((num_seqs,), context, dtype=np.int32)
     out = cupy.empty_like(query)
-    kv_bytes = 2 * num_seqs * context * num_kv_heads * D * np.dtype(dt).itemsize
-    return (out, query, key_cache, value_cache, block_tables, seq_lens), kv_bytes
+    kv_bytes = 2 * num_seqs * context * num_kv_heads * D * np.dtype(variant.np_dtype).itemsize
+    return out, query, caches, block_tables, seq_lens, kv_bytes
 
 
-def time_kernel(ker: K.PagedKernels, args, context: int, scale: float, version: str | None, iters: int) -> tuple[float, str]:
+class FixedScratch:
+    """v2's partials allocated once, outside any graph capture, and reused by every launch: the
+    n-th buffer of a shape asked for within one launch is always the same array."""
+
+    def __init__(self) -> None:
+        self.buffers: dict = {}
+        self.counts: dict = {}
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def __call__(self, shape, dtype):
+        import cupy
+
+        key = (tuple(shape), np.dtype(dtype).str)
+        n = self.counts[key] = self.counts.get(key, -1) + 1
+        if (key, n) not in self.buffers:
+            self.buffers[(key, n)] = cupy.empty(shape, dtype=dtype)
+        return self.buffers[(key, n)]
+
+
+def time_kernel(ker, out, query, caches, block_tables, seq_lens, context, scale, version, iters):
+    """Seconds per launch, the version launched, and how it was timed ("graph" or "queued")."""
     import cupy
 
-    used = ker.paged_attention(*args, context, scale, version=version)  # warm-up (and module load)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        ker.paged_attention(*args, context, scale, version=version)
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / iters * 1e-3, used
+    alloc = FixedScratch()
+
+    def launch(i):
+        kc, vc = caches[i % len(caches)]
+        alloc.reset()
+        return ker.paged_attention(out, query, kc, vc, block_tables, seq_lens, context, scale,
+                                   version=version, alloc=alloc)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        used = launch(0)  # warm-up: module load, opt-in, scratch allocation
+        stream.synchronize()
+        how = "graph"
+        try:
+            stream.begin_capture()
+            for i in range(iters):
+                launch(i)
+            graph = stream.end_capture()
+            graph.launch(stream)  # warm the graph once
+        except Exception:  # capture unsupported here: fall back to queued launches
+            how = "queued"
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        if how == "graph":
+            graph.launch(stream)
+        else:
+            for i in range(iters):
+                launch(i)
+        stop.record(stream)
+        stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / iters, used, how
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="float16", choices=list(K.DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=list(K.DTYPES))
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--quick", action="store_true", help="two configurations only")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="SEQSxCONTEXT,... (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     a = p.parse_args(argv)
+    configs = parse_configs(a.configs)
     if not gpu_available():
         print("no GPU: cupy.is_available() is false; kernel bandwidth benchmark skipped")
         return 0
     import cupy
 
+    dev = cupy.cuda.Device().id
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    l2 = int(props.get("l2CacheSize", 50 * 2**20))
     variant = K.KernelVariant(a.dtype, a.head_size, a.block_size)
-    ker = K.cupy_kernels(variant)
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    name = name.decode() if isinstance(name, bytes) else name
-    peak = peak_bandwidth_gbs()
-    print(f"device: {name}; peak DRAM bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'}")
-    print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} iterations each")
-    configs = [(8, 1024), (64, 2048)] if a.quick else [
-        (1, 4096), (8, 1024), (8, 8192), (32, 512), (64, 2048), (128, 1024), (256, 512), (16, 16384),
-    ]
-    header = f"{'seqs':>5} {'context':>8} {'KV MiB':>8} {'pick':>4} | {'auto us':>9} {'GB/s':>7} | {'v1 GB/s':>8} {'v2 GB/s':>8}"
-    if peak:
-        header += f" | {'% peak':>6}"
+    ker = K.cupy_kernels(variant, dev)
+    roof = measured_copy_gbs()
+    print(f"device: {name}; L2 {l2 / 2**20:.0f} MiB; measured D2D copy {roof:.0f} GB/s (read + written)")
+    print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} launches per timing")
+    header = (f"{'seqs':>5} {'context':>8} {'KV MiB':>8} {'copies':>6} {'pick':>4} | {'us':>8} {'GB/s':>6} {'% copy':>6}"
+              f" | {'v1 GB/s':>7} {'v2 GB/s':>7} | timed")
     print(header)
     print("-" * len(header))
+    rows = []
     scale = a.head_size**-0.5
     for num_seqs, context in configs:
-        args, kv_bytes = setup(variant, num_seqs, context, a.num_heads, a.num_kv_heads)
-        t_auto, picked = time_kernel(ker, args, context, scale, None, a.iters)
-        gbs = {v: kv_bytes / time_kernel(ker, args, context, scale, v, a.iters)[0] / 1e9 for v in ("v1", "v2")}
+        probe = 2 * num_seqs * context * a.num_kv_heads * a.head_size * np.dtype(variant.np_dtype).itemsize
+        copies = copies_for_l2(probe, l2)
+        out, q, caches, bt, sl, kv_bytes = setup(variant, num_seqs, context, a.num_heads, a.num_kv_heads, copies)
+        t_auto, picked, how = time_kernel(ker, out, q, caches, bt, sl, context, scale, None, a.iters)
+        forced = {}
+        for v in ("v1", "v2"):
+            try:
+                forced[v] = kv_bytes / time_kernel(ker, out, q, caches, bt, sl, context, scale, v, a.iters)[0] / 1e9
+            except Exception as e:  # e.g. v1's logits beyond the device's shared memory
+                print(f"  {v} forced at {num_seqs}x{context}: {type(e).__name__}: {e}")
+                forced[v] = float("nan")
         bw = kv_bytes / t_auto / 1e9
-        row = (f"{num_seqs:>5} {context:>8} {kv_bytes / 2**20:>8.1f} {picked:>4} | {t_auto * 1e6:>9.1f} {bw:>7.0f} |"
-               f" {gbs['v1']:>8.0f} {gbs['v2']:>8.0f}")
-        if peak:
-            row += f" | {100 * bw / peak:>5.0f}%"
-        print(row)
-        del args
+        row = dict(seqs=num_seqs, context=context, kv_mib=kv_bytes / 2**20, copies=copies, picked=picked,
+                   us=t_auto * 1e6, gbs=bw, pct_copy=100 * bw / roof, v1_gbs=forced["v1"], v2_gbs=forced["v2"],
+                   timed=how)
+        rows.append(row)
+        print(f"{num_seqs:>5} {context:>8} {row['kv_mib']:>8.0f} {copies:>6} {picked:>4} | {row['us']:>8.1f} {bw:>6.0f}"
+              f" {row['pct_copy']:>5.0f}% | {forced['v1']:>7.0f} {forced['v2']:>7.0f} | {how}")
+        del out, q, caches, bt, sl
         cupy.get_default_memory_pool().free_all_blocks()
+    if a.json:
+        a.json.write_text(json.dumps(dict(device=name, l2_bytes=l2, copy_gbs=roof, variant=str(variant),
+                                          num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, rows=rows), indent=1))
     return 0
 
 
