@@ -352,3 +352,36 @@ def test_cache_allocation_rechecks_free_memory_and_maps_oom():
     assert "\n" not in msg and "lower cache.gpu_memory_utilization" in msg
     # the CPU path allocates directly
     assert allocate_cache((2, 3), torch.float32, torch.device("cpu")).shape == (2, 3)
+
+
+# ---------------------------------------------------------------- 6, 9: the GPU scripts without a GPU
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: benchmarks/gpu_check.sh would run for real")
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stdout.strip().count("\n") == 0 and "no CUDA GPU" in r.stdout, (r.stdout, r.stderr)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_bandwidth_benchmark_helpers():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_bandwidth as B
+
+    assert B.parse_configs("64x4096, 8x16384") == [(64, 4096), (8, 16384)]
+    with pytest.raises(SystemExit, match="SEQSxCONTEXT"):
+        B.parse_configs("64y")
+    l2 = 50 * 2**20
+    assert B.copies_for_l2(2**30, l2) == 1  # (64, 4096) bf16 head 128, 8 KV heads: 1 GiB > 4 x L2
+    small = 2 * 8 * 1024 * 8 * 128 * 2  # 32 MiB: rotate through 7 copies (224 MiB > 200 MiB)
+    n = B.copies_for_l2(small, l2)
+    assert n * small > 4 * l2 >= (n - 1) * small

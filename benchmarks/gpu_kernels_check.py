@@ -1,0 +1,132 @@
+"""Kernel checks that need a GPU (benchmarks/gpu_check.sh runs them; GPU-REVIEW's appendix, extended).
+
+    python3 benchmarks/gpu_kernels_check.py small   # every kernel once per dtype (the compute-sanitizer target)
+    python3 benchmarks/gpu_kernels_check.py big     # caches past 2^31 elements: 64-bit offsets (~9 GiB)
+    python3 benchmarks/gpu_kernels_check.py stream  # the CuPy backend on a non-default torch stream, MQA too
+    python3 benchmarks/gpu_kernels_check.py smem    # v1 at exactly 48 KiB dynamic + static smem (GPU-REVIEW Q1)
+
+Each prints "<name>: ok ..." or raises. Run from the repository root.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import numpy as np  # noqa: E402
+
+import test_kernels as T  # noqa: E402
+from pagedrun.attention import kernels as K  # noqa: E402
+
+NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")
+
+
+def run(ker, case, version, kc=None, vc=None, bt=None):
+    import cupy
+
+    q, k, v, b, s = (cupy.asarray(getattr(case, n)) for n in NAMES)
+    out = cupy.empty(case.query.shape, dtype=case.query.dtype)
+    used = ker.paged_attention(out, q, k if kc is None else kc, v if vc is None else vc,
+                               b if bt is None else bt, s, case.max_seq_len, case.scale, version=version)
+    cupy.cuda.runtime.deviceSynchronize()
+    return T.to_f64(cupy.asnumpy(out), case.variant.dtype), used
+
+
+def small():
+    """v1, v2 + reduce, reshape_and_cache and copy_blocks, once per dtype: short enough for racecheck."""
+    import cupy
+
+    for dt in T.DTYPES:
+        v = T.v2_variants(dt)[0]
+        ker = K.cupy_kernels(v)
+        case = T.make_case(v, [1, 37, 513, 1100], 4, 2, seed=1)
+        for ver in ("v1", "v2"):
+            T.assert_close(run(ker, case, ver)[0], case.reference(), dt, f"{v} {ver}")
+        bs, D = v.block_size, v.head_size
+        rng = np.random.default_rng(0)
+        key = cupy.asarray(T.to_device_dtype(rng.standard_normal((5, 2, D)), dt))
+        kc = cupy.asarray(T.to_device_dtype(rng.standard_normal((4, bs, 2, D)), dt))
+        vc = kc.copy()
+        ker.reshape_and_cache(key, key, kc, vc, cupy.asarray(np.array([0, -1, 3, bs, 2 * bs + 1], np.int64)))
+        ker.copy_blocks(cupy.asarray(np.array([kc.data.ptr], np.int64)), cupy.asarray(np.array([vc.data.ptr], np.int64)),
+                        cupy.asarray(np.array([[0, 3]], np.int64)), bs * 2 * D)
+        cupy.cuda.runtime.deviceSynchronize()
+        assert bool((kc[3] == kc[0]).all()) and bool((kc.reshape(-1, 2, D)[bs] == key[3]).all())
+    print("small: ok (v1, v2, reduce, reshape_and_cache, copy_blocks x 3 dtypes)")
+
+
+def big():
+    import cupy
+
+    v = K.KernelVariant("float16", 128, 16)
+    ker = K.cupy_kernels(v)
+    case = T.make_case(v, [700, 37], 4, 1, seed=5)  # 2 partitions; kv heads 1 -> 2048 elements per block
+    nsmall = case.key_cache.shape[0]
+    nb = 2**31 // (16 * 1 * 128) + 4096  # > 2^31 elements per cache (4.3 GB each)
+    kc = cupy.full((nb, 16, 1, 128), np.nan, dtype=np.float16)
+    vc = cupy.full_like(kc, np.nan)
+    top = np.arange(nb - nsmall, nb)  # the highest block ids: element offsets > 2^31
+    kc[cupy.asarray(top)] = cupy.asarray(case.key_cache)
+    vc[cupy.asarray(top)] = cupy.asarray(case.value_cache)
+    bt = cupy.asarray(top[case.block_tables].astype(np.int32))
+    for ver in ("v1", "v2"):
+        T.assert_close(run(ker, case, ver, kc, vc, bt)[0], case.reference(), "float16", f"big {ver}")
+    rng = np.random.default_rng(1)
+    key = cupy.asarray(rng.standard_normal((2, 1, 128)).astype(np.float16))
+    slots = np.array([(nb - 1) * 16 + 5, 7], np.int64)
+    ker.reshape_and_cache(key, key, kc, vc, cupy.asarray(slots))
+    ker.copy_blocks(cupy.asarray(np.array([kc.data.ptr], np.int64)), cupy.asarray(np.array([vc.data.ptr], np.int64)),
+                    cupy.asarray(np.array([[nb - 1, 3]], np.int64)), 16 * 128)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert bool((kc[nb - 1, 5, 0] == key[0, 0]).all()) and bool((kc[3] == kc[nb - 1]).all())
+    print("big: ok (offsets past 2^31 elements)")
+
+
+def stream():
+    """Both prefill modes, GQA and MQA (one KV head: torch <= 2.9 exports its strides as 1), on a
+    side stream whose query lands only after tens of ms of queued work."""
+    import torch
+
+    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+
+    for spec, heads, kv_heads in ((T.StepSpec([16, 0, 33], [4, 6, 1]), 9, 3), (T.StepSpec([40, 0, 7], [3, 5, 1]), 4, 1)):
+        for prefill in ("sdpa", "kernel"):
+            q, k, v, kc, vc, meta, fk, fv = T.build_step(spec, torch.float16, 64, 16, heads, kv_heads, seed=3)
+            ref = T.causal_reference(q, meta, fk, fv, 0.125, heads, kv_heads)
+            for name in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc"):
+                setattr(meta, name, getattr(meta, name).cuda())
+            kc, vc, k, v = kc.cuda(), vc.cuda(), k.cuda(), v.cuda()
+            qc = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+            q_pinned = q.pin_memory()
+            torch.cuda.synchronize()
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                x = torch.randn(8192, 8192, device="cuda")
+                for _ in range(20):  # tens of ms queued on s before the query lands
+                    x = x @ x / 8192
+                qc.copy_(q_pinned, non_blocking=True)  # a launch on another stream would still see NaN
+                out = CupyAttentionBackend(prefill=prefill).forward(qc, k, v, kc, vc, meta, 0.125)
+            torch.cuda.synchronize()
+            n = sum(spec.query_lens)
+            T.assert_close(out[:n].double().cpu().numpy(), ref[:n].numpy(), "float16",
+                           f"side stream, {prefill} prefill, kv heads {kv_heads}")
+    print("stream: ok (side stream; sdpa and kernel prefill; GQA 9/3 and MQA 4/1)")
+
+
+def smem():
+    v = K.KernelVariant("float16", 128, 16)
+    ker = K.cupy_kernels(v)
+    fn = ker.module.get_function(v.v1_name)
+    print(f"smem: static {fn.shared_size_bytes} B, default max dynamic {fn.max_dynamic_shared_size_bytes} B, "
+          f"opt-in limit {ker.smem_optin} B")
+    case = T.make_case(v, [12288, 5], 2, 1, seed=2)  # v1 dynamic smem = 49152 bytes exactly
+    out, _ = run(ker, case, "v1")
+    T.assert_close(out, case.reference(), "float16", "v1 at 48 KiB")
+    print("smem: ok (v1 launched with 48 KiB dynamic + static shared memory)")
+
+
+if __name__ == "__main__":
+    for what in sys.argv[1:] or ["small"]:
+        globals()[what]()
