@@ -146,8 +146,9 @@ def _torch_cuda():
     return torch
 
 
+@pytest.mark.parametrize("prefill", ["sdpa", "kernel"])  # tensor-core SDPA prefill (default) and pseudo-sequences
 @pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
-def test_gpu_backend_mixed_step(case):
+def test_gpu_backend_mixed_step(case, prefill):
     torch = _torch_cuda()
     from pagedrun.attention.cupy_backend import CupyAttentionBackend
 
@@ -157,7 +158,8 @@ def test_gpu_backend_mixed_step(case):
     ref = T.causal_reference(query, meta, fk, fv, D**-0.5, H, KVH)
     cuda = lambda t: t.cuda()  # noqa: E731
     meta.slot_mapping, meta.block_tables = cuda(meta.slot_mapping), cuda(meta.block_tables)
-    out = CupyAttentionBackend().forward(cuda(query), cuda(key), cuda(value), cuda(kc), cuda(vc), meta, D**-0.5)
+    out = CupyAttentionBackend(prefill=prefill).forward(cuda(query), cuda(key), cuda(value), cuda(kc), cuda(vc),
+                                                        meta, D**-0.5)
     torch.cuda.synchronize()
     T.assert_close(out.double().cpu().numpy(), ref.numpy(), dtype_name, "gpu backend")
 
