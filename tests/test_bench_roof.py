@@ -1,0 +1,74 @@
+"""The bench's roof (the measured FMA peak) and its useful-FLOP count, and the vLLM peer's plumbing
+that runs without vLLM installed (CI has none: the peer itself is run by hand, docs/benchmarks.md)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pagedrun import cpu_build
+from pagedrun.bench import count_params, finish_row, kv_bytes_per_token
+from pagedrun.errors import PagedrunError
+from pagedrun.workloads import BenchRequest
+
+from tiny_models import make_tiny_model
+
+
+@pytest.mark.skipif(shutil.which(cpu_build.compiler()) is None, reason="no C++ compiler")
+def test_fma_peak_counts_the_isa_it_was_built_for():
+    from pagedrun import fma_peak
+
+    fp32 = fma_peak.measure("float32", 1, seconds=0.05)
+    bf16 = fma_peak.measure("bfloat16", 1, seconds=0.05)
+    assert fp32["flops_per_s"] > 0 and bf16["flops_per_s"] > 0
+    flags = cpu_build.machine_flags()
+    assert fp32["lanes"] == (16 if "-mavx512f" in flags else 8 if "-mfma" in flags else 4)
+    # bf16 dot products only where the build has avx512_bf16; otherwise bf16 runs on the fp32 roof.
+    assert bf16["bf16_dot"] == ("-mavx512bf16" in flags)
+    assert fp32["bf16_dot"] is False
+
+
+def test_machine_flags_follow_cpuinfo():
+    base = "flags : fpu sse2 avx2 fma f16c"
+    assert cpu_build.machine_flags(base) == ["-mavx2", "-mfma", "-mf16c"]
+    wide = base + " avx512f avx512bw avx512vl avx512dq"
+    assert "-mavx512f" in cpu_build.machine_flags(wide) and "-mavx512bf16" not in cpu_build.machine_flags(wide)
+    assert "-mavx512bf16" in cpu_build.machine_flags(wide + " avx512_bf16")
+    # AVX-512 without AVX2 + FMA is no machine we build for: nothing wide then.
+    assert cpu_build.machine_flags("flags : sse2 avx512f avx512bw avx512vl avx512dq") == []
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_flops_count_only_where_logits_are_computed(tmp_path, tied):
+    d = make_tiny_model("llama", tmp_path / "m", seed=1, tie_word_embeddings=tied)
+    p = count_params(d)
+    assert 0 < p["head"] < p["matmul"]
+    reqs = [BenchRequest("a", [5] * 40, 10), BenchRequest("b", [6] * 20, 30)]
+    row = {"outputs": [[1] * 10, [2] * 30], "wall_s": 2.0, "executed_tokens": 60 + 40}
+    finish_row(row, reqs, p, flops=1e9)
+    body = p["matmul"] - p["head"]
+    assert row["useful_flops_per_s"] == 2 * (body * (60 + 40) + p["head"] * 40) / 2.0
+    assert row["roofline_fraction"] == row["useful_flops_per_s"] / 1e9
+
+
+def test_kv_bytes_per_token_from_config():
+    cfg = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    assert kv_bytes_per_token(cfg, "float32") == 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_per_token({**cfg, "head_dim": 128}, "bfloat16") == 2 * 30 * 3 * 128 * 2
+
+
+def test_vllm_engine_without_its_interpreter_is_one_line(tmp_path):
+    from pagedrun.bench_vllm import check_python
+
+    with pytest.raises(PagedrunError, match="needs --vllm-python.*vllm_cpu_venv.sh"):
+        check_python(None)
+    with pytest.raises(PagedrunError, match="does not exist"):
+        check_python(str(tmp_path / "nope" / "python"))
+    # An interpreter without vllm (this one, in CI) is refused before any engine runs.
+    import sys
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(PagedrunError, match="cannot import vllm"):
+            check_python(sys.executable)
