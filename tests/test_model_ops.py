@@ -92,6 +92,50 @@ def test_linear_packed_is_bit_identical_at_every_vector_width(kern):
         assert (outs[0].double() - (x.double() @ w.double().T + b.double())).abs().max().item() < 4e-6 * k**0.5
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 576), (13, 96, 1100), (64, 333, 64), (300, 40, 512)])
+def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
+    """bf16 weights packed in k pairs: fp32 sums of exact bf16 products, rounded once to bf16. The
+    vdpbf16ps path (avx512_bf16) and the widened-FMA path (every other CPU; the 8-wide build here)
+    add each pair's products in the same order, so they give the same bits, and each output is
+    within one bf16 rounding (plus fp32 summation error) of the float64 product."""
+    from pagedrun import cpu_build
+
+    g = _gen(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = ops.pack_weight(w)
+    assert packed.shape == (-(-n // kern.panel), k // 2, kern.panel, 2) and packed.dtype == torch.bfloat16
+    assert torch.equal(ops.unpack_weight(packed, n), w)
+    got = ops.linear_packed(x, packed, b, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    want = x.double() @ w.double().T + b.double()
+    # half an ulp of bf16 (2^-8 relative) for the final rounding, plus fp32 summation error
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * k**0.5).all()
+    narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
+    assert not narrow.bf16_dot
+    panels = -(-n // narrow.panel)
+    packed8 = F.pad(w, (0, 0, 0, panels * narrow.panel - n)).view(panels, narrow.panel, k // 2, 2).transpose(1, 2)
+    out8 = torch.empty(m, n, dtype=torch.bfloat16)
+    assert narrow.lib.linear_packed_bf16(x.data_ptr(), packed8.contiguous().data_ptr(), b.data_ptr(), out8.data_ptr(),
+                                         m, n, k, k, n, 2) == 0
+    assert torch.equal(out8, got)
+
+
+def test_bf16_odd_k_and_mixed_dtypes_take_the_torch_path(kern):
+    g = _gen(5)
+    assert ops.pack_weight(torch.randn(8, 7, generator=g).bfloat16()) is None  # K odd: no pairs
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    packed = ops.pack_weight(w)
+    x32 = torch.randn(3, 64, generator=g)
+    # float32 activations against bf16 weights: the kernel refuses, torch's F.linear decides
+    with pytest.raises(RuntimeError):
+        ops.linear_packed(x32, packed, None, 40)
+    x = x32.bfloat16()
+    with ops.torch_only():
+        assert torch.equal(ops.linear_packed(x, packed, None, 40), F.linear(x, w))
+
+
 def test_model_linears_are_packed_after_loading(kern):
     from pagedrun.models.llama import Linear
 
@@ -179,7 +223,7 @@ def test_silu_and_mul_matches_float64_including_extremes(kern):
 def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     g = _gen(5)
     w = torch.randn(8, 64, generator=g)
-    assert ops.pack_weight(w.bfloat16()) is None and ops.pack_weight(w[:, None]) is None
+    assert ops.pack_weight(w.half()) is None and ops.pack_weight(w[:, None]) is None
     x32 = torch.randn(4, 8, 64, generator=g)  # 3-D: the per-head q/k norms of Qwen3
     wn = torch.randn(64, generator=g)
     with ops.torch_only():

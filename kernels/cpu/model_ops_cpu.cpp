@@ -22,47 +22,11 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__FMA__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "vec8.h"
+#include "simd.h"
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
-
-// ---- the GEMM's vector: 16 floats with AVX-512, else 8 (PR_GEMM_VEC8 forces 8 for the tests) ----
-//
-// One width-generic kernel below; only the register file differs. MR rows of x times a panel of
-// two vectors is 2 * MR accumulators + 2 weight vectors + 1 broadcast: MR = 6 fills the 16 AVX
-// registers (the BLIS microkernel's shape), MR = 12 fits the 32 AVX-512 registers with 5 to spare.
-// Each lane accumulates one output column over k in order, so the result is bit-identical whatever
-// the width (tests/test_model_ops.py builds both and compares them).
-#if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
-constexpr int kVec = 16;
-constexpr int kTileM = 12;
-typedef float vgf __attribute__((vector_size(64)));
-typedef float vgfu __attribute__((vector_size(64), aligned(4), may_alias));
-inline vgf fma_v(vgf a, vgf b, vgf c) { return (vgf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-inline vgf broadcast_v(float x) { return (vgf)_mm512_set1_ps(x); }
-#else
-constexpr int kVec = 8;
-constexpr int kTileM = 6;
-typedef v8f vgf;
-typedef v8fu vgfu;
-// c + a * b with one rounding where the CPU has FMA, two otherwise.
-inline vgf fma_v(vgf a, vgf b, vgf c) {
-#if defined(__FMA__)
-  return (vgf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return c + a * b;
-#endif
-}
-inline vgf broadcast_v(float x) { return broadcast8(x); }
-#endif
-inline vgf load_v(const float* p) { return *reinterpret_cast<const vgfu*>(p); }
-inline void store_v(float* p, vgf x) { *reinterpret_cast<vgfu*>(p) = x; }
 
 // ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w packed ----
 //
@@ -171,6 +135,92 @@ PR_EXPORT int linear_packed_f32(const float* x, const float* packed, const float
     const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t q = 0; q < num_panels; ++q) packed_panel(x, ldx, m0, m1, packed, q, num_panels, N, K, bias, out, ldo);
+  }
+  return 0;
+}
+
+// ---- GEMM in bf16: out = bf16(sum_k x[m, k] * w[n, k] + bias[n]), x, w, bias, out all bf16 ----
+//
+// Weights are packed like the fp32 ones, in k pairs: word packed[q][p][j] holds w[q * kPanel + j][2p]
+// (low half) and [2p + 1] (high half), two bf16 in 32 bits, K even. With avx512_bf16 one vdpbf16ps
+// per vector adds a pair's two products into fp32 accumulators (odd element first, each add rounded);
+// elsewhere the pair is widened to two fp32 vectors (exact: a bf16 is the top half of an fp32) and
+// added with two FMAs in that same order, so every CPU computes the same sums in fp32 and rounds once
+// to bf16 at the end, as torch's bf16 linear does. That is also why a CPU without bf16 arithmetic
+// runs a bf16 model at fp32 speed, half the weight bytes, instead of through emulated bf16 matmuls.
+// A tile's accumulators cover the whole K (a panel, K/2 x 128 bytes, stays in L2 across row tiles),
+// so no partial sums are ever stored in bf16.
+#if defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+// Registers: 2 * MR accumulators + 2 weight vectors (4 widened) + broadcasts.
+constexpr int kTileMBf16 = kVec == 16 ? 12 : 4;
+
+template <int MR>
+inline void bf16_tile(const uint16_t* __restrict x, int64_t ldx, const int32_t* __restrict panel, int64_t K2,
+                      const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  vgf acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vgf{};
+  for (int64_t p = 0; p < K2; ++p) {
+    const vgi w0 = load_vi(panel + p * kPanel), w1 = load_vi(panel + p * kPanel + kVec);
+#if defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = (vgf)_mm512_dpbf16_ps((__m512)acc[i][0], xb, (__m512bh)w0);
+      acc[i][1] = (vgf)_mm512_dpbf16_ps((__m512)acc[i][1], xb, (__m512bh)w1);
+    }
+#else
+    const vgf we0 = bf16_even(w0), wo0 = bf16_odd(w0), we1 = bf16_even(w1), wo1 = bf16_odd(w1);
+    for (int i = 0; i < MR; ++i) {
+      const vgf xo = broadcast_v(bf16_to_f32(x[i * ldx + 2 * p + 1]));
+      const vgf xe = broadcast_v(bf16_to_f32(x[i * ldx + 2 * p]));
+      acc[i][0] = fma_v(xe, we0, fma_v(xo, wo0, acc[i][0]));
+      acc[i][1] = fma_v(xe, we1, fma_v(xo, wo1, acc[i][1]));
+    }
+#endif
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = acc[i][j / kVec][j % kVec];
+      out[i * ldo + j] = f32_to_bf16(bias ? v + bf16_to_f32(bias[j]) : v);
+    }
+}
+
+template <int MR>
+inline void bf16_tile_rows(int mr, const uint16_t* x, int64_t ldx, const int32_t* panel, int64_t K2,
+                           const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return bf16_tile_rows<MR - 1>(mr, x, ldx, panel, K2, bias, out, ldo, cols);
+  }
+  bf16_tile<MR>(x, ldx, panel, K2, bias, out, ldo, cols);
+}
+
+PR_EXPORT int packed_gemm_has_bf16_dot() { return kBf16Dot ? 1 : 0; }
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T (+ bias), all bf16 (uint16 bits),
+// w packed in k pairs: [ceil(N / kPanel), K / 2, kPanel] int32 words. K must be even.
+PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
+                                 int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || N <= 0 || K <= 0 || K % 2 || ldx < K || ldo < N) return -1;
+  if (num_threads < 1) num_threads = 1;
+  const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
+  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(uint16_t)));
+  row_chunk = row_chunk < kTileMBf16 ? kTileMBf16 : row_chunk / kTileMBf16 * kTileMBf16;
+  for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+    const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t q = 0; q < num_panels; ++q) {
+      const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+      for (int64_t m = m0; m < m1; m += kTileMBf16) {
+        const int mr = m1 - m < kTileMBf16 ? int(m1 - m) : kTileMBf16;
+        bf16_tile_rows<kTileMBf16>(mr, x + m * ldx, ldx, packed + q * K2 * kPanel, K2, bias ? bias + n0 : nullptr,
+                                   out + m * ldo + n0, ldo, cols);
+      }
+    }
   }
   return 0;
 }

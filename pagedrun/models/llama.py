@@ -38,7 +38,7 @@ class Linear(nn.Linear):
             self.weight.data = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dim() == 3:
+        if self.weight.dim() >= 3:
             return ops.linear_packed(x, self.weight, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -49,9 +49,10 @@ class VocabEmbedding(nn.Embedding):
     gathers token v's row from its panel: packed[v // panel, :, v % panel], the same values."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.dim() == 3:
+        if self.weight.dim() >= 3:  # [V/panel, H, panel] or, bf16, [V/panel, H/2, panel, 2]
             panel = self.weight.shape[2]
-            return self.weight[ids // panel, :, ids % panel]
+            rows = self.weight[ids // panel, :, ids % panel]
+            return rows.reshape(*ids.shape, -1)
         return super().forward(ids)
 
 
@@ -241,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         table = self.model.embed_tokens.weight  # tied: the embedding table is the head
-        if table.dim() == 3:
+        if table.dim() >= 3:
             return ops.linear_packed(hidden, table, None, self.config.vocab_size).float()
         return F.linear(hidden, table).float()
 

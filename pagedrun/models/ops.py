@@ -41,6 +41,10 @@ class CpuModelOps:
         lib.packed_panel_width.restype = _int
         lib.packed_panel_width.argtypes = []
         self.panel = lib.packed_panel_width()
+        lib.linear_packed_bf16.restype = _int
+        lib.linear_packed_bf16.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
+        # vdpbf16ps where the CPU has avx512_bf16; fp32 FMAs on widened bf16 otherwise.
+        self.bf16_dot = bool(lib.packed_gemm_has_bf16_dot())
         lib.rms_norm_f32.restype = _int
         lib.rms_norm_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_f32, _int]
         lib.rope_f32.restype = _int
@@ -89,32 +93,53 @@ def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
     return load()
 
 
+def _gemm_kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
+    """The GEMM runs float32 and bfloat16 (same dtype throughout); the other ops float32 only."""
+    if not _enabled or not tensors or tensors[0].dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    return load()
+
+
 def _rows(x: torch.Tensor) -> bool:
     """2-D with contiguous rows: the layout every kernel takes (any row stride)."""
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] in the packed GEMM's layout, [ceil(N / panel), K, panel] with
-    packed[q, k, j] = weight[q * panel + j, k] (zero rows pad the last panel); None where the kernel
-    cannot take it (not float32 on the CPU, kernels off or unavailable): keep the weight as it is.
+    """weight [N, K] in the packed GEMM's layout; None where the kernel cannot take it (not float32
+    or bfloat16 on the CPU, an odd K in bfloat16, kernels off or unavailable): keep it as it is.
 
-    Packed once after loading (LlamaForCausalLM.process_weights_after_loading), in place of the
-    original: same bytes, plus the padding when N is not a multiple of the panel."""
-    kern = _kernels_for(weight)
-    if kern is None or weight.dim() != 2:
+    float32: [ceil(N / panel), K, panel] with packed[q, k, j] = weight[q * panel + j, k].
+    bfloat16: [ceil(N / panel), K / 2, panel, 2], k in pairs, so that one 32-bit word holds the two
+    weights one bf16 dot-product lane multiplies (packed[q, p, j] = weight[q * panel + j, 2p:2p+2]).
+    Zero rows pad the last panel. Packed once after loading
+    (LlamaForCausalLM.process_weights_after_loading), in place of the original: same bytes, plus the
+    padding when N is not a multiple of the panel."""
+    kern = _gemm_kernels_for(weight)
+    if kern is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
         return None
     n, k = weight.shape
     panels = -(-n // kern.panel)
     if n % kern.panel:  # one transient copy of the weight, not two, when no padding is needed
         weight = F.pad(weight, (0, 0, 0, panels * kern.panel - n))
+    if weight.dtype == torch.bfloat16:
+        return weight.view(panels, kern.panel, k // 2, 2).transpose(1, 2).contiguous()
     return weight.view(panels, kern.panel, k).transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """pack_weight's inverse: the [out_features, K] weight."""
+    if packed.dim() == 4:
+        panels, k2, panel, _ = packed.shape
+        return packed.transpose(1, 2).reshape(panels * panel, 2 * k2)[:out_features]
     panels, k, panel = packed.shape
     return packed.transpose(1, 2).reshape(panels * panel, k)[:out_features]
+
+
+def packed_in_features(packed: torch.Tensor) -> int:
+    return packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -123,18 +148,19 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     every M (it keeps up with torch's at prefill sizes and beats it at decode sizes,
     docs/cpu-model-ops.md). With the kernels switched off since packing (torch_only(), tests), torch
     on the unpacked weight: right, and slow."""
-    kern = _kernels_for(x, packed)
+    kern = _gemm_kernels_for(x, packed)
     if kern is not None and x.dim() == 2 and not _rows(x):
         x = x.contiguous()
-    if (kern is not None and _rows(x) and x.shape[1] == packed.shape[1]
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+    if (kern is not None and _rows(x) and x.shape[1] == packed_in_features(packed)
+            and packed.dim() == (4 if x.dtype == torch.bfloat16 else 3)
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
         m = x.shape[0]
         out = torch.empty(m, out_features, dtype=x.dtype)
         if m == 0:
             return out
-        rc = kern.lib.linear_packed_f32(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                        out.data_ptr(), m, out_features, x.shape[1], x.stride(0), out_features,
-                                        torch.get_num_threads())
+        fn = kern.lib.linear_packed_bf16 if x.dtype == torch.bfloat16 else kern.lib.linear_packed_f32
+        rc = fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
+                out_features, x.shape[1], x.stride(0), out_features, torch.get_num_threads())
         if rc == 0:
             return out
     return F.linear(x, unpack_weight(packed, out_features), bias)

@@ -1,0 +1,62 @@
+// The packed GEMMs' vector (kernels/cpu/model_ops_cpu.cpp): 16 floats with AVX-512, else 8
+// (PR_GEMM_VEC8 forces 8, for the tests), with the FMA and bf16 helpers the GEMMs need. Part of every
+// CPU kernel's cache key (pagedrun/cpu_build.py hashes kernels/cpu/*.h).
+#pragma once
+
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "vec8.h"
+
+namespace {
+
+// The GEMMs are written once, width-generic; only the register file differs. MR rows of x times a panel of
+// two vectors is 2 * MR accumulators + 2 weight vectors + 1 broadcast: MR = 6 fills the 16 AVX
+// registers (the BLIS microkernel's shape), MR = 12 fits the 32 AVX-512 registers with 5 to spare.
+// Each lane accumulates one output column over k in order, so the result is bit-identical whatever
+// the width (tests/test_model_ops.py builds both and compares them).
+#if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
+constexpr int kVec = 16;
+constexpr int kTileM = 12;
+typedef float vgf __attribute__((vector_size(64)));
+typedef float vgfu __attribute__((vector_size(64), aligned(4), may_alias));
+inline vgf fma_v(vgf a, vgf b, vgf c) { return (vgf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vgf broadcast_v(float x) { return (vgf)_mm512_set1_ps(x); }
+#else
+constexpr int kVec = 8;
+constexpr int kTileM = 6;
+typedef v8f vgf;
+typedef v8fu vgfu;
+// c + a * b with one rounding where the CPU has FMA, two otherwise.
+inline vgf fma_v(vgf a, vgf b, vgf c) {
+#if defined(__FMA__)
+  return (vgf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return c + a * b;
+#endif
+}
+inline vgf broadcast_v(float x) { return broadcast8(x); }
+#endif
+inline vgf load_v(const float* p) { return *reinterpret_cast<const vgfu*>(p); }
+inline void store_v(float* p, vgf x) { *reinterpret_cast<vgfu*>(p) = x; }
+
+typedef int32_t vgi __attribute__((vector_size(4 * kVec)));
+typedef int32_t vgiu __attribute__((vector_size(4 * kVec), aligned(4), may_alias));
+inline vgi load_vi(const void* p) { return *reinterpret_cast<const vgiu*>(p); }
+
+// kVec bf16 pairs (lane j holds elements 2j, 2j+1 of a row, as two bf16 in one int32) widened to
+// fp32: the even elements and the odd ones. Exact: bf16 is the top half of an fp32.
+inline vgf bf16_even(vgi pairs) { return (vgf)(pairs << 16); }
+inline vgf bf16_odd(vgi pairs) { return (vgf)(pairs & int32_t(0xffff0000u)); }
+
+inline float bf16_to_f32(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+// Round to nearest even, NaN kept quiet: what torch does when it narrows fp32 to bf16.
+inline uint16_t f32_to_bf16(float x) {
+  uint32_t u = float_to_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+}  // namespace
