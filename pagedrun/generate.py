@@ -14,11 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pagedrun.errors import PagedrunError
 from pagedrun.recipe import load_recipe
-
-# Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
-EXIT_OK = 0  # every request has an output
-EXIT_SOME_FAILED = 3  # some requests are error records in the output
-EXIT_ALL_FAILED = 4  # every request is an error record
+# Shared with the Ray driver (distributed/), so below both; the exit codes (EXIT_*) are defined there.
+from pagedrun.run_output import job_exit_code, open_output, print_summary
 
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
@@ -68,30 +65,6 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
     finally:
         writer.close()
         stop.restore()
-
-
-def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console: Console):
-    """Open the output of a run or a resumed one (also the Ray driver's): error records keyed by line,
-    requests by id; what the output already holds is not run again.
-    Returns (requests to run, every key in input order)."""
-    from pagedrun.engine.llm import invalid_record
-    from pagedrun.io.outputs import invalid_key, request_key
-
-    writer.open()
-    if writer.discarded and not quiet:
-        console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
-                      "their requests will be redone", highlight=False, soft_wrap=True, markup=False)
-    for bad in invalid:
-        if invalid_key(bad.line) not in writer:
-            rec = invalid_record(bad)
-            writer.write({"id": rec["id"], "line": bad.line, **rec}, invalid_key(bad.line))
-    pending = [r for r in requests if request_key(r.id) not in writer]
-    order = [k for _, k in sorted([(r.line, request_key(r.id)) for r in requests]
-                                  + [(b.line, invalid_key(b.line)) for b in invalid])]
-    if writer.resumed and not quiet:
-        console.print(f"resuming {output}: {writer.resumed} requests already done, {len(pending)} to go",
-                      highlight=False, soft_wrap=True, markup=False)
-    return pending, order
 
 
 def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
@@ -158,18 +131,6 @@ def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, out
     return job_exit_code(writer, order, output, console)
 
 
-def job_exit_code(writer, order, output: Path, console: Console) -> int:
-    """0 when every request of the job has an output, else 3 (some failed) or 4 (all failed), saying
-    how many, even with --quiet. Counts the output file, so a resumed job counts its earlier runs."""
-    failed = sum(1 for k in order if "error" in writer.done.get(k, {}))
-    if not failed:
-        return EXIT_OK
-    code = EXIT_ALL_FAILED if failed == len(order) else EXIT_SOME_FAILED
-    console.print(f"{failed} of {len(order)} requests failed (their error records are in {output}); exit code {code}",
-                  style="yellow", highlight=False, soft_wrap=True, markup=False)
-    return code
-
-
 def print_startup(console: Console, llm, load_s: float) -> None:
     e = llm.engine
     m = e.memory
@@ -187,25 +148,3 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     # The short form of `pagedrun profile-memory`: what the profile measured, what the budget became.
     for line in m.summary():
         console.print(f"[bold]memory[/] {line}", highlight=False)
-
-
-def print_summary(console: Console, results, wall: float, output: Path, report, invalid) -> None:
-    from rich.table import Table
-
-    n_ok = sum(1 for r in results if r.error is None)
-    n_err = sum(1 for r in results if r.error is not None) + len(invalid)
-    out_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
-    t = Table(title="pagedrun generate", show_header=False, box=None)
-    t.add_row("requests", f"{n_ok} done" + (f", {n_err} errors" if n_err else ""))
-    t.add_row("tokens", f"{prompt_tokens:,} prompt, {out_tokens:,} output")
-    t.add_row("wall time", f"{wall:.2f} s")
-    t.add_row("throughput", f"{out_tokens / max(wall, 1e-9):.1f} output tok/s, "
-                            f"{(out_tokens + prompt_tokens) / max(wall, 1e-9):.1f} total tok/s")
-    t.add_row("outputs", str(output))
-    if report is not None:
-        from pagedrun.report import summary_rows
-
-        for k, v in summary_rows(report):
-            t.add_row(k, v)
-    console.print(t)

@@ -16,6 +16,7 @@ from pagedrun.distributed.cluster import actor_resources, connect, import_ray, q
 from pagedrun.distributed.merge import ReplicaRecord, merged_report, print_replicas
 from pagedrun.distributed.replica import EngineReplica, error_output
 from pagedrun.errors import PagedrunError
+from pagedrun.run_output import job_exit_code, open_output, print_summary
 
 # Retries of a batch whose replica died: enough for a node or two going away, few enough that a
 # request that kills its process every time costs minutes, not forever.
@@ -47,7 +48,6 @@ def pick_batch_size(num_requests: int, replicas: int, max_num_seqs: int) -> int:
 
 def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid: bool, plot: Path | None,
                     quiet: bool, console: Console, stop, address: str | None, replicas: int | None) -> int:
-    from pagedrun.generate import open_output
     from pagedrun.io.requests import read_requests
 
     ray = import_ray()  # before anything slow: without Ray, one line and exit
@@ -66,8 +66,6 @@ def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid
         if not quiet:
             console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False,
                           soft_wrap=True, markup=False)
-        from pagedrun.generate import job_exit_code
-
         return job_exit_code(writer, order, output, console)
     started = connect(address, quiet)
     try:
@@ -89,7 +87,6 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
         TimeRemainingColumn
 
     from pagedrun.engine.llm import output_record
-    from pagedrun.generate import job_exit_code, print_summary
     from pagedrun.io.outputs import request_key
 
     if not quiet:
