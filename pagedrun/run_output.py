@@ -59,6 +59,9 @@ def print_summary(console: Console, results, wall: float, output: Path, report, 
     out_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
     t = Table(title="pagedrun generate", show_header=False, box=None)
+    t.add_column(no_wrap=True)
+    # Values wrap at their spaces; a word longer than the column (a long path) folds, never cut to "…".
+    t.add_column(overflow="fold")
     t.add_row("requests", f"{n_ok} done" + (f", {n_err} errors" if n_err else ""))
     t.add_row("tokens", f"{prompt_tokens:,} prompt, {out_tokens:,} output")
     t.add_row("wall time", f"{wall:.2f} s")

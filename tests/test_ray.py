@@ -9,6 +9,7 @@ validation, the replica's per-request isolation, the merge) run without one.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -126,6 +127,17 @@ def test_ray_run_equals_local_run(job, ray_run):
         # each replica's report is a local run's report of what that engine did
         assert r["num_steps"] > 0 and r["kv_capacity"]["blocks"] == 64
         assert r["blocks_in_use"]["peak"] > 0 and rep["device"] == "cpu"
+    # The replica tables a run without -q prints, from this report, at 80 columns (tests/test_tables.py).
+    from rich.console import Console
+
+    from pagedrun.distributed.replica_table import print_replicas
+
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    print_replicas(console, report)
+    words = console.file.getvalue().split()
+    assert "…" not in console.file.getvalue()
+    assert all(words.count(rep["replica"]) == 2 for rep in report["replicas"]) and words.count("total") == 2
+    assert f"{report['total']['throughput']['prompt_tokens']:,}" in words
     # A second run of the same command: everything is done, nothing is sent to the cluster.
     res = generate(job, out, "--ray", "--replicas", "2")
     assert res.exit_code == 0, res.output

@@ -173,11 +173,9 @@ def _replica_report(num_requests, prompt, output, wall_s, peak, blocks, preempte
             "preemptions": {"recompute": preempted, "swap": 0}}
 
 
-@pytest.mark.xfail(strict=True, reason="pagedrun/distributed/merge.py's replica table cuts its numbers at 80 "
-                                       "columns (issue 19 item 14); left to that file's owner")
 def test_replica_table_fits_80_columns():
-    """A job of ~1M prompt tokens over 8 GPUs."""
-    from pagedrun.distributed.merge import print_replicas
+    """A job of ~1M prompt tokens over 8 GPUs: two stacked tables, the work then the cache."""
+    from pagedrun.distributed.replica_table import print_replicas, replica_tables
 
     one = _replica_report(12_345, 1_234_567, 123_456, 1234.56, 12_345, 16_384, 123)
     total = _replica_report(98_760, 9_876_536, 987_648, 1234.56, 98_760, 131_072, 984)
@@ -188,5 +186,74 @@ def test_replica_table_fits_80_columns():
     print_replicas(console, report)
     text = console.file.getvalue()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= WIDTH, text
-    for s in ("9,876,536", "987,648", "98,760/131,072", "0123abcd"):
+    for s in ("9,876,536", "987,648", "98,760/131,072", "0123abcd", "0123456789ab", "1,235", "984"):
         assert s in text, (s, text)
+    assert text.count("0123abcd") == 16 and text.count("total") == 2  # stacked: every replica in both
+    assert_readable(replica_tables(report))
+
+
+def test_replica_table_fits_the_widest_job_and_folds_a_long_host_name():
+    """10^7 requests and 10^10 prompt tokens per replica, 10^6 s, and a node shown by its host name."""
+    from pagedrun.distributed.replica_table import replica_tables
+
+    one = _replica_report(9_999_999, 9_999_999_999, 999_999_999, 999_999.0, 9_999_999, 9_999_999, 9_999_999)
+    one["prefix_cache"]["hit_rate"] = None  # no prompt tokens looked up: "-"
+    total = _replica_report(99_999_999, 99_999_999_999, 9_999_999_999, 999_999.0, 99_999_999, 99_999_999,
+                            99_999_999)
+    total["prefix_cache"]["hit_rate"] = 1.0
+    host = "worker-gpu-node-17.us-east-1.compute.internal"
+    report = {"num_replicas": 10, "total": total,
+              "replicas": [{"replica": f"{i:08x}", "node": host, "device": "cpu", "batches": 99_999,
+                            "report": one} for i in range(10)]}
+    text = render(replica_tables(report))
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= WIDTH, text
+    for s in ("9,999,999", "99,999,999", "9,999,999,999", "99,999,999,999", "999,999,999", "999,999",
+              "9,999,999/9,999,999", "99,999,999/99,999,999", "999,990", "100%"):
+        assert s in text.split(), (s, text)
+    assert text.split().count("-") == 10  # each replica's hit rate: none looked up
+    # The host name is folded onto the next line, not cut: every character is there, in order.
+    lines = text.splitlines()
+    rows = [i for i, line in enumerate(lines) if re.match(r"[0-9a-f]{8} ", line) and "/" in line]
+    assert len(rows) == 10, text
+    for i in rows:
+        assert lines[i].split()[1] + lines[i + 1].strip() == host, text
+
+
+# ---------------------------------------------------------------- pagedrun generate's summary
+
+def _summary_report() -> dict:
+    """What report.summary_rows reads, at the widest values a long GPU job gives."""
+    big = 123_456_789_012
+    pct = {"peak_tokens": big, "peak_bytes": 64 * 2**40, "utilisation": 0.123}
+    return {
+        "cpu_kernels": "off (the cache /home/someone/.cache/pagedrun/kernels is not owned by this user)",
+        "kv_capacity": {"blocks": 12_345_678, "block_size": 16, "tokens": 197_530_848, "bytes": 64 * 2**40},
+        "blocks_in_use": {"peak": 12_345_678, "peak_fraction_of_capacity": 1.0, "mean": 9_876_543.2},
+        "utilisation": {"tokens_stored_over_slots_allocated": 0.987, "at_peak": 0.999},
+        "fragmentation": {"last_block_waste_tokens_mean": 7.5, "last_block_waste_percent": 0.4},
+        "contiguous": {"request_max": pct, "max_model_len": pct, "max_model_len_tokens": 131_072},
+        "prefix_cache": {"hit_tokens": big, "query_tokens": big, "hit_rate": 1.0, "cow_copies": 1_234_567},
+        "preemptions": {"recompute": 1_234_567, "swap": 1_234_567, "swap_fallbacks": 1_234},
+        "swap": {"out_blocks": 12_345_678, "out_bytes": 64 * 2**40, "in_blocks": 12_345_678, "in_bytes": 64 * 2**40},
+        "throughput": {"prompt_tokens_per_s": 1_234_567.8, "output_tokens_per_s": 123_456.7},
+        "latency": {"ttft_s": {"p50": 12.3, "p90": 123.4, "p99": 1234.5}, "itl_s": {"p50": 0.01, "p90": 0.1, "p99": 1.0}},
+    }
+
+
+def test_generate_summary_fits_80_columns_and_folds_a_long_path():
+    from types import SimpleNamespace as NS
+
+    from pagedrun.run_output import print_summary
+
+    results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7)] * 3
+    path = Path("/data/" + "x" * 120 + "/outputs.jsonl")
+    console = Console(file=io.StringIO(), width=WIDTH, color_system=None)
+    print_summary(console, results, 123_456.78, path, _summary_report(), invalid=[])
+    text = console.file.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= WIDTH, text
+    words = set(re.findall(r"\S+", text))
+    for s in ("123,456,789,012", "12,345,678", "197,530,848", "9,876,543.2", "1,234,567.8", "1234500.0",
+              "(67,108,864.0", "max_model_len=131072;", "123456.78"):
+        assert s in words, (s, text)
+    assert "cpu kernels" in text and "contiguous would reserve" in text
+    assert str(path) in re.sub(r"\s+", "", "".join(line[27:] for line in text.splitlines())), text

@@ -27,7 +27,8 @@ batch and the replica's MemoryPlan; the driver rebuilds each replica's report wi
 (the same function as a local run) and sums the counters into a total.
 
 Modules: driver.py (run_distributed: requests, the Ray Data passes, writing), cluster.py (joining
-Ray, sizing the actor pool), replica.py (EngineReplica, the actor), merge.py (the merged report).
+Ray, sizing the actor pool), replica.py (EngineReplica, the actor), merge.py (the merged report),
+replica_table.py (the replicas' numbers on the terminal, within 80 columns).
 """
 from pagedrun.distributed.driver import run_distributed
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from rich.console import Console
 
 from pagedrun.distributed.cluster import actor_resources, connect, import_ray, quiet_ray_logs
-from pagedrun.distributed.merge import ReplicaRecord, merged_report, print_replicas
+from pagedrun.distributed.merge import ReplicaRecord, merged_report
 from pagedrun.distributed.replica import EngineReplica, error_output
+from pagedrun.distributed.replica_table import print_replicas
 from pagedrun.errors import PagedrunError
 from pagedrun.run_output import job_exit_code, open_output, print_summary
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
-
 
 @dataclass
 class ReplicaRecord:
@@ -111,28 +109,3 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
                         "throughput.wall_s there is the time the replica spent running batches",
         },
     }
-
-
-def print_replicas(console: Console, report: dict) -> None:
-    from rich.table import Table
-
-    devices = sorted({r["device"] for r in report["replicas"]})
-    t = Table(title=f"{report['num_replicas']} replica(s) on {', '.join(devices) or '-'}", box=None, pad_edge=False)
-    # Narrow enough for 80 columns; the report has every number in full.
-    for col in ("replica", "node", "batch", "reqs", "prompt", "output", "wall s", "peak blk", "pre", "hit%"):
-        t.add_column(col, justify="right" if col not in ("replica", "node") else "left", no_wrap=True)
-
-    def row(name, node, batches, r):
-        th, pc = r["throughput"], r["prefix_cache"]
-        peak = r["blocks_in_use"]["peak"]
-        cap = r["kv_capacity"]["blocks"]
-        return (name, node, str(batches), str(r["num_requests"]), f"{th['prompt_tokens']:,}",
-                f"{th['output_tokens']:,}", f"{th['wall_s']:.2f}", f"{peak:,}/{cap:,}",
-                str(r["preemptions"]["recompute"] + r["preemptions"]["swap"]),
-                f"{pc['hit_rate']:.0%}" if pc["hit_rate"] is not None else "-")
-
-    for rep in report["replicas"]:
-        t.add_row(*row(rep["replica"], rep["node"][:8], rep["batches"], rep["report"]))
-    tot = report["total"]
-    t.add_row(*row("total", "", sum(r["batches"] for r in report["replicas"]), tot))
-    console.print(t)
