@@ -231,6 +231,36 @@ def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     assert torch.equal(ops.rms_norm(x32, wn, 1e-6), want)
 
 
+@pytest.mark.parametrize("h", [576, 64, 13])
+def test_bf16_elementwise_ops_are_bit_identical_to_torchs_bf16_ops(kern, h):
+    """In bf16 each kernel rounds to bf16 exactly where the torch op it replaces ends (transformers'
+    op order), so norm (with the residual), RoPE and SiLU * up give torch's bits; exp may differ
+    from torch's by an ulp in fp32, which a bf16 rounding almost never shows (none here)."""
+    g = _gen(h)
+    x = (torch.randn(37, h, generator=g) * 3).bfloat16()
+    r = torch.randn(37, h, generator=g).bfloat16()
+    w = torch.randn(h, generator=g).bfloat16()
+    with ops.torch_only():
+        want, want_h = ops.rms_norm(x, w, 1e-5, r.clone())
+        want_plain = ops.rms_norm(x, w, 1e-5)
+    got, got_h = ops.rms_norm(x, w, 1e-5, r.clone())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got_h, want_h) and torch.equal(got, want) and torch.equal(ops.rms_norm(x, w, 1e-5), want_plain)
+    hd = 64
+    q = torch.randn(29, 9, hd, generator=g).bfloat16()
+    k = torch.randn(29, 3, hd, generator=g).bfloat16()
+    pos = torch.randint(0, 100, (29,), generator=g)
+    freqs = torch.outer(torch.arange(128).float(), 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+    with ops.torch_only():
+        wq, wk = ops.rope(pos, q.clone(), k.clone(), freqs.cos(), freqs.sin())
+    gq, gk = ops.rope(pos, q.clone(), k.clone(), freqs.cos(), freqs.sin())
+    assert torch.equal(gq, wq) and torch.equal(gk, wk)
+    gate_up = (torch.randn(31, 2 * h, generator=g) * 4).bfloat16()
+    with ops.torch_only():
+        want_act = ops.silu_and_mul(gate_up)
+    assert torch.equal(ops.silu_and_mul(gate_up), want_act)
+
+
 def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDRUN_CACHE", str(tmp_path))
     ops.load.cache_clear()

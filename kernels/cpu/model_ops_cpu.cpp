@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -187,6 +188,14 @@ inline void bf16_tile(const uint16_t* __restrict x, int64_t ldx, const int32_t* 
     }
 #endif
   }
+  if (cols == kPanel) {
+    const vgf b0 = bias ? load_bf16_v(bias) : vgf{}, b1 = bias ? load_bf16_v(bias + kVec) : vgf{};
+    for (int i = 0; i < MR; ++i) {
+      store_bf16_v(out + i * ldo, bias ? acc[i][0] + b0 : acc[i][0]);
+      store_bf16_v(out + i * ldo + kVec, bias ? acc[i][1] + b1 : acc[i][1]);
+    }
+    return;
+  }
   for (int i = 0; i < MR; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       const float v = acc[i][j / kVec][j % kVec];
@@ -231,58 +240,83 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
   return 0;
 }
 
+// ---- elementwise ops, float32 and bf16 (uint16 bits) from one template each ----
+//
+// bf16 follows transformers' bf16 op order: each torch op computes in fp32 and rounds its result to
+// bf16, so the kernels round (rnd) exactly where a torch op would end, and nowhere else. For float32
+// rnd is the identity and the code is what it was, op for op.
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+template <typename T> inline float rnd(float v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return bf16_to_f32(f32_to_bf16(v));
+}
+
+// 8 elements widened to fp32 (bf16: the top half of an fp32, exact).
+inline v8f load8_any(const float* p) { return load8(p); }
+inline v8f load8_any(const uint16_t* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
+  const v8i wide = __builtin_convertvector(*reinterpret_cast<const v8u16*>(p), v8i);
+  return (v8f)(wide << 16);
+}
+
 // RMSNorm of M rows of H: out = weight * (h * 1/sqrt(mean(h^2) + eps)), where h = x, or, with a
 // residual, h = x + residual, written back to residual first (the pre-norm block's "h = h + f(h)"
 // fused into the next norm, as vLLM does). Rows have strides ldx / ldr / ldo.
-PR_EXPORT int rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
-                           int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {
+template <typename T>
+int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H, int64_t ldx, int64_t ldr,
+             int64_t ldo, float eps, int num_threads) {
   if (M < 0 || H <= 0 || ldx < H || ldo < H || (residual && ldr < H)) return -1;
   if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= 65536)
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * ldx;
-    float* o = out + m * ldo;
-    const float* h = xr;
+    const T* xr = x + m * ldx;
+    T* o = out + m * ldo;
+    const T* h = xr;
     if (residual) {
-      float* r = residual + m * ldr;
-      for (int64_t i = 0; i < H; ++i) r[i] = xr[i] + r[i];
+      T* r = residual + m * ldr;
+      for (int64_t i = 0; i < H; ++i) st(r, i, ld(xr, i) + ld(r, i));
       h = r;
     }
     v8f acc = {};
     int64_t i = 0;
     for (; i + 8 <= H; i += 8) {
-      const v8f v = load8(h + i);
+      const v8f v = load8_any(h + i);
       acc += v * v;
     }
     float ss = horizontal_sum(acc);
-    for (; i < H; ++i) ss += h[i] * h[i];
+    for (; i < H; ++i) ss += ld(h, i) * ld(h, i);
     const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
-    for (i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
+    for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
   }
   return 0;
 }
 
 // RoPE in place, "rotate half" layout: for each token t and head, with c = cos[pos[t]], s = sin[pos[t]]
-// (tables [max_pos, head_size / 2]): x1, x2 = halves; x1' = x1*c - x2*s, x2' = x2*c + x1*s.
-// x [T, num_heads, head_size] with token stride ldx and head stride head_size.
-PR_EXPORT int rope_f32(float* x, const int64_t* positions, const float* cos, const float* sin, int64_t T,
-                       int64_t num_heads, int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads) {
-  if (T < 0 || num_heads <= 0 || head_size <= 0 || head_size % 2 || ldx < num_heads * head_size) return -1;
-  for (int64_t t = 0; t < T; ++t)
+// (float32 tables [max_pos, head_size / 2], rounded to T as transformers casts them): x1, x2 = halves;
+// x1' = x1*c - x2*s, x2' = x2*c + x1*s. x [T, num_heads, head_size], token stride ldx, head stride
+// head_size.
+template <typename T>
+int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok, int64_t num_heads,
+         int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads) {
+  if (ntok < 0 || num_heads <= 0 || head_size <= 0 || head_size % 2 || ldx < num_heads * head_size) return -1;
+  for (int64_t t = 0; t < ntok; ++t)
     if (positions[t] < 0 || positions[t] >= max_pos) return -2;
   if (num_threads < 1) num_threads = 1;
   const int64_t half = head_size / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_heads * head_size >= 65536)
-  for (int64_t t = 0; t < T; ++t) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= 65536)
+  for (int64_t t = 0; t < ntok; ++t) {
     const float* c = cos + positions[t] * half;
     const float* s = sin + positions[t] * half;
     for (int64_t hd = 0; hd < num_heads; ++hd) {
-      float* x1 = x + t * ldx + hd * head_size;
-      float* x2 = x1 + half;
+      T* x1 = x + t * ldx + hd * head_size;
+      T* x2 = x1 + half;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i];
-        x1[i] = a * c[i] - b * s[i];
-        x2[i] = b * c[i] + a * s[i];
+        const float a = ld(x1, i), b = ld(x2, i), ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
+        st(x1, i, rnd<T>(a * ci) - rnd<T>(b * si));
+        st(x2, i, rnd<T>(b * ci) + rnd<T>(a * si));
       }
     }
   }
@@ -290,16 +324,36 @@ PR_EXPORT int rope_f32(float* x, const int64_t* positions, const float* cos, con
 }
 
 // out [M, I] = silu(gate) * up, where gate_up [M, 2I] (row stride ldg) holds gate then up.
-PR_EXPORT int silu_and_mul_f32(const float* gate_up, float* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo,
-                               int num_threads) {
+template <typename T>
+int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int num_threads) {
   if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I) return -1;
   if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= 65536)
   for (int64_t m = 0; m < M; ++m) {
-    const float* g = gate_up + m * ldg;
-    const float* u = g + I;
-    float* o = out + m * ldo;
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    const T* g = gate_up + m * ldg;
+    const T* u = g + I;
+    T* o = out + m * ldo;
+    for (int64_t i = 0; i < I; ++i) {
+      const float gi = ld(g, i);
+      st(o, i, rnd<T>(gi / (1.0f + exp_f32(-gi))) * ld(u, i));
+    }
   }
   return 0;
 }
+
+#define PR_ELEMENTWISE(SUFFIX, T)                                                                               \
+  PR_EXPORT int rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H,        \
+                                  int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {          \
+    return rms_norm<T>(x, residual, weight, out, M, H, ldx, ldr, ldo, eps, num_threads);                        \
+  }                                                                                                             \
+  PR_EXPORT int rope_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok, \
+                              int64_t num_heads, int64_t head_size, int64_t ldx, int64_t max_pos,              \
+                              int num_threads) {                                                                \
+    return rope<T>(x, positions, cos, sin, ntok, num_heads, head_size, ldx, max_pos, num_threads);              \
+  }                                                                                                             \
+  PR_EXPORT int silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo,  \
+                                      int num_threads) {                                                        \
+    return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, num_threads);                                          \
+  }
+PR_ELEMENTWISE(f32, float)
+PR_ELEMENTWISE(bf16, uint16_t)

@@ -51,6 +51,21 @@ inline vgf bf16_even(vgi pairs) { return (vgf)(pairs << 16); }
 inline vgf bf16_odd(vgi pairs) { return (vgf)(pairs & int32_t(0xffff0000u)); }
 
 inline float bf16_to_f32(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+
+typedef uint32_t vgu __attribute__((vector_size(4 * kVec)));
+typedef uint16_t vgh __attribute__((vector_size(2 * kVec)));
+typedef uint16_t vghu __attribute__((vector_size(2 * kVec), aligned(2), may_alias));
+// kVec bf16 widened to fp32, and fp32 rounded to bf16 as f32_to_bf16 below, a vector at a time.
+inline vgf load_bf16_v(const uint16_t* p) {
+  return (vgf)(__builtin_convertvector(*reinterpret_cast<const vghu*>(p), vgu) << 16);
+}
+inline void store_bf16_v(uint16_t* p, vgf x) {
+  const vgu u = (vgu)x;
+  const vgu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vgu quiet_nan = (u >> 16) | 0x40u;
+  const vgu r = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  *reinterpret_cast<vghu*>(p) = __builtin_convertvector(r, vgh);
+}
 // Round to nearest even, NaN kept quiet: what torch does when it narrows fp32 to bf16.
 inline uint16_t f32_to_bf16(float x) {
   uint32_t u = float_to_bits(x);

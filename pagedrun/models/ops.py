@@ -1,8 +1,9 @@
 """The model's compute ops: linear, RMSNorm (with the residual add), RoPE, SiLU * up.
 
 Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.cpu_build, called
-through ctypes) when its inputs are float32 CPU tensors it supports, and plain torch otherwise (GPU
-tensors, bf16/fp16, odd strides, no compiler). Both paths follow transformers' op order; they differ
+through ctypes) when its inputs are float32 or bfloat16 CPU tensors it supports, and plain torch
+otherwise (GPU tensors, fp16, odd strides, no compiler). bf16 ops compute in fp32 and round to bf16
+where the torch op they replace would. Both paths follow transformers' op order; they differ
 only in reduction order, so greedy outputs match HF either way (tests/test_model_ops.py,
 tests/test_engine.py).
 
@@ -45,13 +46,17 @@ class CpuModelOps:
         lib.linear_packed_bf16.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         # vdpbf16ps where the CPU has avx512_bf16; fp32 FMAs on widened bf16 otherwise.
         self.bf16_dot = bool(lib.packed_gemm_has_bf16_dot())
-        lib.rms_norm_f32.restype = _int
-        lib.rms_norm_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_f32, _int]
-        lib.rope_f32.restype = _int
-        lib.rope_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
-        lib.silu_and_mul_f32.restype = _int
-        lib.silu_and_mul_f32.argtypes = [_ptr] * 2 + [_i64] * 4 + [_int]
+        for suffix in ("f32", "bf16"):
+            for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
+                                   ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
+                                   ("silu_and_mul", [_ptr] * 2 + [_i64] * 4 + [_int])):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.restype, fn.argtypes = _int, argtypes
         self.lib = lib
+
+    def op(self, name: str, dtype: torch.dtype):
+        """The float32 or bfloat16 variant of an elementwise op."""
+        return getattr(self.lib, f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
 
 
 def load_error() -> str | None:
@@ -85,16 +90,8 @@ def torch_only():
 
 
 def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
-    if not _enabled:
-        return None
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32:
-            return None
-    return load()
-
-
-def _gemm_kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
-    """The GEMM runs float32 and bfloat16 (same dtype throughout); the other ops float32 only."""
+    """The kernels for CPU tensors all of float32, or all of bfloat16 (the ops round like torch's bf16
+    ops: in fp32, to bf16 at the end of each op), else None (torch then)."""
     if not _enabled or not tensors or tensors[0].dtype not in (torch.float32, torch.bfloat16):
         return None
     if any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
@@ -117,7 +114,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     Zero rows pad the last panel. Packed once after loading
     (LlamaForCausalLM.process_weights_after_loading), in place of the original: same bytes, plus the
     padding when N is not a multiple of the panel."""
-    kern = _gemm_kernels_for(weight)
+    kern = _kernels_for(weight)
     if kern is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
         return None
     n, k = weight.shape
@@ -148,7 +145,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     every M (it keeps up with torch's at prefill sizes and beats it at decode sizes,
     docs/cpu-model-ops.md). With the kernels switched off since packing (torch_only(), tests), torch
     on the unpacked weight: right, and slow."""
-    kern = _gemm_kernels_for(x, packed)
+    kern = _kernels_for(x, packed)
     if kern is not None and x.dim() == 2 and not _rows(x):
         x = x.contiguous()
     if (kern is not None and _rows(x) and x.shape[1] == packed_in_features(packed)
@@ -175,9 +172,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             and (residual is None or (_rows(residual) and residual.dtype == x.dtype and residual.shape == x.shape))):
         m, h = x.shape
         out = torch.empty(m, h, dtype=x.dtype)
-        rc = kern.lib.rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                                   out.data_ptr(), m, h, x.stride(0), 0 if residual is None else residual.stride(0),
-                                   h, eps, torch.get_num_threads())
+        rc = kern.op("rms_norm", x.dtype)(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                                          weight.data_ptr(), out.data_ptr(), m, h, x.stride(0),
+                                          0 if residual is None else residual.stride(0), h, eps,
+                                          torch.get_num_threads())
         if rc == 0:
             return out if residual is None else (out, residual)
     if residual is not None:
@@ -198,13 +196,14 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, hd] and k [T, kv_heads, hd] by their tokens' positions ("rotate half"
     layout; cos/sin tables [max_pos, hd/2] in float32). The kernel rotates q and k in place."""
-    kern = _kernels_for(q, k, cos, sin)
+    kern = _kernels_for(q, k)
     if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
             and cos.is_contiguous() and sin.is_contiguous() and _heads_ok(q) and _heads_ok(k)):
         threads = torch.get_num_threads()
         ok = all(
-            kern.lib.rope_f32(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
-                              x.shape[1], x.shape[2], x.stride(0), cos.shape[0], threads) == 0
+            kern.op("rope", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+                                     x.shape[1], x.shape[2], x.stride(0), cos.shape[0], threads) == 0
             for x in (q, k)
         )
         if ok:
@@ -231,8 +230,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0:
         m, i = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(m, i, dtype=gate_up.dtype)
-        if kern.lib.silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, i, gate_up.stride(0), i,
-                                     torch.get_num_threads()) == 0:
+        if kern.op("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), m, i, gate_up.stride(0), i,
+                                                  torch.get_num_threads()) == 0:
             return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
