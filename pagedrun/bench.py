@@ -149,14 +149,20 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
 
     out = results_console(console)  # the results: on stdout from the CLI, progress stays on stderr
     out.print(bench_tables(result))
+    # float32 is exact (every engine equals HF token for token; a difference is a bug). In bf16/fp16
+    # each engine's GEMM sums in its own order and rounds to 16 bits, so greedy paths part where two
+    # logits are within a rounding of each other: reported, with where, not a failure.
+    exact = dtype == "float32"
     if mismatches:
-        out.print(f"[bold red]{len(mismatches)} output mismatches[/] (first: {mismatches[0]})", highlight=False)
+        colour = "bold red" if exact else "yellow"
+        note = "" if exact else f" ({dtype}: rounding differs between engines; positions in the JSON)"
+        out.print(f"[{colour}]{len(mismatches)} output mismatches[/]{note} (first: {mismatches[0]})", highlight=False)
     else:
         out.print(f"greedy outputs identical across {len(rows)} engine runs for all {len(requests)} requests")
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=1))
         console.print(f"results: {json_path}", highlight=False)
-    return 1 if mismatches else 0
+    return 1 if mismatches and exact else 0
 
 
 def parse_sizes(text: str | None) -> list[int] | None:
@@ -353,7 +359,7 @@ def summarise(rows, mismatches, requests, workload, model, model_dir, params, dt
                                   for k in _RATIO_KEYS}
     engines = []
     for r in rows:
-        e = {k: v for k, v in r.items() if k not in ("outputs", "report")}
+        e = {k: v for k, v in r.items() if k != "report"}  # outputs kept: agreement can be rechecked
         engines.append(e)
     return {
         "machine": machine_info(device, threads),

@@ -100,12 +100,8 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
     const bool first = k0 == 0, last = k1 == K;
     // Next in this thread's stream: the panel's next slice, else the next panel's first.
     const float* prefetch = k1 < K ? panel + k1 * kPanel : (q + 1 < num_panels ? panel + K * kPanel : nullptr);
-    // Rows split into equal tiles of at most kTileM (64 rows: 6 x 10-11, not 5 x 12 + 4): a short
-    // last tile would load the same weights for a third of the FMAs.
-    const int64_t rows = m1 - m0, tiles = (rows + kTileM - 1) / kTileM;
-    for (int64_t t = 0; t < tiles; ++t, prefetch = nullptr) {
-      const int64_t m = m0 + rows * t / tiles;
-      const int mr = int(m0 + rows * (t + 1) / tiles - m);
+    for (int64_t m = m0; m < m1; m += kTileM, prefetch = nullptr) {
+      const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
       float* c = out + m * ldo + n0;
       if (cols == kPanel) {
         packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first,
@@ -228,7 +224,8 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t q = 0; q < num_panels; ++q) {
       const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-      const int64_t rows = m1 - m0, tiles = (rows + kTileMBf16 - 1) / kTileMBf16;  // equal tiles, as above
+      // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
+      const int64_t rows = m1 - m0, tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m = m0 + rows * t / tiles;
         const int mr = int(m0 + rows * (t + 1) / tiles - m);
