@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from pagedrun.errors import PagedrunError
+from pagedrun.input_files import read_input
 
 
 MAX_DEPTH = 16  # the deepest recipe value is a list in a section (sampling.stop): 3
@@ -102,15 +103,7 @@ def key_lines(text: str) -> dict[str, int]:
 def read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
     """The parsed file and the line of each key in it."""
     name = path.name
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise PagedrunError(f"{name}: recipe file not found ({path})") from None
-    except IsADirectoryError:
-        raise PagedrunError(f"{name}: is a directory, not a recipe file ({path})") from None
-    except OSError as e:
-        raise PagedrunError(f"{name}: cannot read recipe file: {e.strerror}") from None
+    data = read_input(path, "recipe", MAX_BYTES)
     if len(data) > MAX_BYTES:
         raise PagedrunError(f"{name}: larger than {MAX_BYTES:,} bytes; not a recipe")
     try:

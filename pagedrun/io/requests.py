@@ -27,6 +27,7 @@ from typing import Any
 
 from pagedrun.echo import clip, echo, echo_json
 from pagedrun.errors import PagedrunError
+from pagedrun.input_files import read_input
 from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged
 
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -70,14 +71,7 @@ def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab
     """
     path = Path(path)
     name = path.name
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise PagedrunError(f"{name}: prompts file not found ({path})") from None
-    except IsADirectoryError:
-        raise PagedrunError(f"{name}: is a directory, not a prompts file ({path})") from None
-    except OSError as e:
-        raise PagedrunError(f"{name}: cannot read prompts file: {e.strerror}") from None
+    data = read_input(path, "prompts")
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM some editors write
         data = data[3:]
 
