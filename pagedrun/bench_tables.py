@@ -1,5 +1,5 @@
 """`pagedrun bench`'s comparison as terminal tables that fit 80 columns (pagedrun/tables.py): two
-stacked tables, throughput then memory, each row one engine run. Every number is also in the
+stacked tables, throughput then start-up and memory, each row one engine run. Every number is also in the
 --json file, unrounded (benchmarks/bench_table.py turns that into Markdown)."""
 from __future__ import annotations
 
@@ -24,14 +24,17 @@ def bench_tables(result: dict) -> Group:
     m, w = result["model"], result["workload"]
     title = f"pagedrun bench: {w['name']}, {m['name']} ({m['dtype']}, {result['machine']['threads']} threads)"
     speed = _table(title, ["out\ntok/s", "total\ntok/s", "wall\ns", "x\npagedrun", "roof-\nline"])
-    memory = _table(None, ["peak\nRSS", "KV\nutil", "mis-\nmatches"])
+    # Start-up beside memory: load time (vLLM's includes torch.compile) and load + generate.
+    memory = _table(None, ["load\ns", "end to\nend s", "peak\nRSS", "KV\nutil", "mis-\nmatches"])
     for r in result["engines"]:
         ratio = r["ratio_to_pagedrun"]["output_tokens_per_s"]
         u = r.get("kv_utilisation")
         speed.add_row(r["engine"], r["config"], _rate(r["output_tokens_per_s"]), _rate(r["total_tokens_per_s"]),
                       _seconds(r["wall_s"]), f"{ratio:.2f}" if ratio is not None else "-",
                       f"{r['roofline_fraction']:.1%}")
-        memory.add_row(r["engine"], r["config"], f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
+        load = r.get("load_s")
+        memory.add_row(r["engine"], r["config"], _seconds(load) if load is not None else "-",
+                       _seconds(r["e2e_s"]) if "e2e_s" in r else "-", f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
                        f"{u:.1%}" if u is not None else "-", str(r["mismatches"]))
     return Group(speed, "", memory)
 

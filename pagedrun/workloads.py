@@ -10,6 +10,7 @@ own save_pretrained under $PAGEDRUN_CACHE/bench/ so every engine loads the same 
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,13 @@ def tiny_llama_dir(cache_root: Path | None = None) -> Path:
     config = transformers.LlamaConfig(**TINY_LLAMA)
     torch.manual_seed(TINY_LLAMA_SEED)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a half-written directory is never mistaken for the model
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        model.save_pretrained(tmp)
+        tmp.rename(target)  # atomic: a half-written directory is never mistaken for the model
+    except OSError as e:
+        if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+            return target  # a concurrent bench published it first
+        raise PagedrunError(f"bench: cannot write the tiny model under {target.parent} ({e.strerror or e}); "
+                            "set PAGEDRUN_CACHE to a writable directory") from None
     return target

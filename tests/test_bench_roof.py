@@ -1,5 +1,6 @@
-"""The bench's roof (the measured FMA peak) and its useful-FLOP count, and the vLLM peer's plumbing
-that runs without vLLM installed (CI has none: the peer itself is run by hand, docs/benchmarks.md)."""
+"""The bench's roof (the measured FMA peak), its useful-FLOP count, its model cache, and the vLLM
+peer's plumbing that runs without vLLM installed (CI has none: the peer itself is run by hand,
+docs/benchmarks.md)."""
 from __future__ import annotations
 
 import shutil
@@ -72,3 +73,12 @@ def test_vllm_engine_without_its_interpreter_is_one_line(tmp_path):
     except ImportError:
         with pytest.raises(PagedrunError, match="cannot import vllm"):
             check_python(sys.executable)
+
+
+def test_tiny_model_in_an_unwritable_cache_is_one_line(tmp_path):
+    from pagedrun.workloads import tiny_llama_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PagedrunError, match="cannot write the tiny model.*PAGEDRUN_CACHE"):
+        tiny_llama_dir(blocker / "cache")

@@ -57,9 +57,9 @@ def assert_readable(renderable, *, unbroken: tuple[str, ...] = ()) -> str:
 
 # ---------------------------------------------------------------- pagedrun bench
 
-def _engine(engine, config, out, total, wall, rss_mib, util, ratio, roof, mismatches=0) -> dict:
+def _engine(engine, config, out, total, wall, rss_mib, util, ratio, roof, mismatches=0, load=987.65) -> dict:
     return {"engine": engine, "config": config, "output_tokens_per_s": out, "total_tokens_per_s": total,
-            "wall_s": wall, "peak_rss_bytes": rss_mib * 2**20, "kv_bytes": 4 * 2**30, "kv_peak_bytes": 3 * 2**30,
+            "wall_s": wall, "load_s": load, "e2e_s": load + wall, "peak_rss_bytes": rss_mib * 2**20, "kv_bytes": 4 * 2**30, "kv_peak_bytes": 3 * 2**30,
             "kv_utilisation": util, "ratio_to_pagedrun": {"output_tokens_per_s": ratio},
             "roofline_fraction": roof, "mismatches": mismatches}
 
@@ -82,7 +82,8 @@ BENCH = {
 
 def test_bench_tables_fit_80_columns():
     text = assert_readable(bench_tables(BENCH), unbroken=("123,457", "1,234,568", "2,712.3", "123,456 MiB",
-                                                          "1,235", "999.99", "12.34", "61.2%", "1234"))
+                                                          "1,235", "999.99", "12.34", "61.2%", "1234",
+                                                          "987.65", "2,222"))
     assert text.count("hf-continuous") == 2  # stacked: throughput, then memory
 
 
