@@ -327,3 +327,24 @@ def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):
         assert sum(s.prefix_hit_tokens for s in llm.engine.steps) > 0
         results[use_kernel] = [o.outputs[0].token_ids for o in outs]
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (80, 4, 4), (48, 6, 3)])
+def test_vector_widths_agree(kern, head_dim, heads, kv_heads):
+    """Head sizes that are whole 16-float vectors run the wide dot products and weighted sums when the
+    build has AVX-512; the 8-wide build (PR_GEMM_VEC8, every machine) must give the same attention
+    within rounding (the weighted sums are the same per-lane sums; the dots differ only in
+    association), mixed prefill and decode alike. On an AVX2-only machine both builds are 8-wide."""
+    from pagedrun import cpu_build
+    from pagedrun.attention.cpu_kernels import SOURCE, CpuAttentionKernels
+
+    narrow = CpuAttentionKernels(cpu_build.build(SOURCE, ("-DPR_GEMM_VEC8",)))
+    case = Case([(0, 40), (50, 1), (20, 9), (7, 1), (90, 1)], 16, heads, kv_heads, head_dim, seed=head_dim)
+    case.run()  # writes this step's K/V
+    outs = []
+    for lib in (kern, narrow):
+        out = torch.empty_like(case.query)
+        assert lib.varlen(out, case.query, case.key_cache, case.value_cache, case.meta.block_tables,
+                          case.meta.query_start_loc, case.meta.seq_lens, case.meta.context_lens, case.scale, 2) == 0
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=0)

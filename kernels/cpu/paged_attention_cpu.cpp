@@ -1,8 +1,9 @@
 // Paged attention on the CPU, read in place through the block tables (issue 8).
 //
 // Built on first use by pagedrun/attention/cpu_kernels.py (g++ -O3 -fopenmp -shared -fPIC, plus
-// -mavx2 -mfma -mf16c when the build machine has them) and called through ctypes with raw data
-// pointers, so no torch headers: it compiles in about a second.
+// -mavx2 -mfma -mf16c and -mavx512* when the build machine has them; the dot products and weighted
+// sums then run 16 floats wide when the head size is a multiple of 16) and called through ctypes
+// with raw data pointers, so no torch headers: it compiles in about a second.
 //
 //   query / out   [num_tokens, num_heads, head_size]      (token stride q_stride / o_stride)
 //   key_cache     [num_blocks, block_size, num_kv_heads, head_size]   (contiguous)
@@ -31,7 +32,7 @@
 #include <omp.h>
 #endif
 
-#include "vec8.h"
+#include "simd.h"  // vgf: kVec floats (16 with AVX-512, else 8), on top of vec8.h
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -77,11 +78,38 @@ inline v8f horizontal_sums8(const v8f* a) {
                    pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
 }
 
+// A kVec-float accumulator as 8 lanes: with AVX-512 its two halves added (lane i then sums the
+// dimensions i mod 8, in another association than an 8-wide build: equal within rounding, and
+// fixed, so results stay deterministic).
+inline v8f fold8(vgf a) {
+#if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
+  return (v8f)_mm256_add_ps(_mm512_castps512_ps256((__m512)a), _mm512_extractf32x8_ps((__m512)a, 1));
+#else
+  return a;
+#endif
+}
+
+// Whether a head of hd floats is a whole number of kVec vectors (the wide loops below need it).
+inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
+
 // s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8). Eight
 // keys at a time: eight independent FMA chains instead of one latency-bound chain per dot.
 inline void score_keys(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t n,
                        int64_t hd, float* __restrict s) {
   int64_t c = 0;
+  if (wide(hd)) {
+    for (; c + 8 <= n; c += 8) {
+      vgf a[8] = {};
+      const float* kc = k + c * kstride;
+      for (int64_t d = 0; d < hd; d += kVec) {
+        const vgf qv = load_v(q + d);
+        for (int j = 0; j < 8; ++j) a[j] += qv * load_v(kc + j * kstride + d);
+      }
+      v8f f[8];
+      for (int j = 0; j < 8; ++j) f[j] = fold8(a[j]);
+      store8(s + c, horizontal_sums8(f));
+    }
+  }
   for (; c + 8 <= n; c += 8) {
     v8f a[8] = {};
     const float* kc = k + c * kstride;
@@ -118,7 +146,69 @@ inline void weighted_sum_block(float* __restrict acc, const float* __restrict p,
   for (int i = 0; i < NV; ++i) store8(acc + 8 * i, a[i]);
 }
 
+// weighted_sum_block at the full vector width: the same per-lane sums over the keys, in the same
+// order, so the same results as the 8-wide blocks, with half the loads and FMAs under AVX-512.
+template <int NV>
+inline void weighted_sum_wide(float* __restrict acc, const float* __restrict p, const float* __restrict v,
+                              int64_t vstride, int64_t n) {
+  vgf a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = load_v(acc + kVec * i);
+  for (int64_t c = 0; c < n; ++c) {
+    const vgf w = broadcast_v(p[c]);
+    const float* vc = v + c * vstride;
+    for (int i = 0; i < NV; ++i) a[i] += w * load_v(vc + kVec * i);
+  }
+  for (int i = 0; i < NV; ++i) store_v(acc + kVec * i, a[i]);
+}
+
+// Rows a and b at the full vector width (each V row loaded once for both).
+template <int NV>
+inline void weighted_sum2_wide(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
+                               const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
+  vgf a[NV], b[NV];
+  for (int i = 0; i < NV; ++i) {
+    a[i] = load_v(acc_a + kVec * i);
+    b[i] = load_v(acc_b + kVec * i);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    const vgf wa = broadcast_v(pa[c]), wb = broadcast_v(pb[c]);
+    const float* vc = v + c * vstride;
+    for (int i = 0; i < NV; ++i) {
+      const vgf vv = load_v(vc + kVec * i);
+      a[i] += wa * vv;
+      b[i] += wb * vv;
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    store_v(acc_a + kVec * i, a[i]);
+    store_v(acc_b + kVec * i, b[i]);
+  }
+}
+
+// hd in whole vectors, 8 (one row) or 4 (two rows) vectors per pass: accumulators stay in registers.
+template <int MaxNV, typename F>
+inline void by_vectors(int64_t hd, F&& pass) {
+  int64_t d = 0;
+  for (; d + MaxNV * kVec <= hd; d += MaxNV * kVec) pass(d, std::integral_constant<int, MaxNV>{});
+  switch ((hd - d) / kVec) {
+    case 7: if constexpr (MaxNV > 7) pass(d, std::integral_constant<int, 7>{}); break;
+    case 6: if constexpr (MaxNV > 6) pass(d, std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (MaxNV > 5) pass(d, std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (MaxNV > 4) pass(d, std::integral_constant<int, 4>{}); break;
+    case 3: pass(d, std::integral_constant<int, 3>{}); break;
+    case 2: pass(d, std::integral_constant<int, 2>{}); break;
+    case 1: pass(d, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
 inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+  if (wide(hd)) {
+    by_vectors<8>(hd, [&](int64_t d, auto nv) {
+      weighted_sum_wide<decltype(nv)::value>(acc + d, p, v + d, vstride, n);
+    });
+    return;
+  }
   int64_t d = 0;
   for (; d + 64 <= hd; d += 64) weighted_sum_block<8>(acc + d, p, v + d, vstride, n);
   switch ((hd - d) / 8) {
@@ -138,6 +228,27 @@ inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vst
 inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
                         int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb) {
   int64_t c = 0;
+  if (wide(hd)) {
+    for (; c + 4 <= n; c += 4) {
+      vgf a[8] = {};
+      const float* kc = k + c * kstride;
+      for (int64_t d = 0; d < hd; d += kVec) {
+        const vgf q0 = load_v(qa + d), q1 = load_v(qb + d);
+        for (int j = 0; j < 4; ++j) {
+          const vgf kv = load_v(kc + j * kstride + d);
+          a[j] += q0 * kv;
+          a[4 + j] += q1 * kv;
+        }
+      }
+      v8f f[8];
+      for (int j = 0; j < 8; ++j) f[j] = fold8(a[j]);
+      const v8f r = horizontal_sums8(f);
+      for (int j = 0; j < 4; ++j) {
+        sa[c + j] = r[j];
+        sb[c + j] = r[4 + j];
+      }
+    }
+  }
   for (; c + 4 <= n; c += 4) {
     v8f a[8] = {};
     const float* kc = k + c * kstride;
@@ -187,6 +298,12 @@ inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b
 // Both rows' accumulators += their weights times the same V rows (each V row loaded once).
 inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const float* v,
                           int64_t vstride, int64_t n, int64_t hd) {
+  if (wide(hd)) {
+    by_vectors<8>(hd, [&](int64_t d, auto nv) {
+      weighted_sum2_wide<decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
+    });
+    return;
+  }
   int64_t d = 0;
   for (; d + 32 <= hd; d += 32) weighted_sum2_block<4>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
   switch ((hd - d) / 8) {
