@@ -93,7 +93,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
                       "enable_prefix_caching": recipe.cache.enable_prefix_caching, "seed": recipe.seed,
                       "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype)})
 
-    console.print(f"[bold]bench[/] {len(requests)} requests ({workload}), model {model} "
+    console.print(f"[bold]bench[/] {len(requests)} requests ({workload}), {model} "
                   f"({params['total'] / 1e6:.1f}M params, {dtype}, {device}, {threads} threads)", highlight=False)
     roof = Roof(dtype, device, threads, quick)
     console.print(f"roof: {roof.describe()}", highlight=False)
@@ -123,8 +123,8 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
         row.update(engine=spec["engine"], config=spec["config"])
         finish_row(row, requests, params, roof.flops)  # redone below against the final roof
         rows.append(row)
-        console.print(f"  {spec['engine']:<14} {spec['config']:<22} {row['wall_s']:8.2f} s "
-                      f"{row['output_tokens_per_s']:9.1f} out tok/s (load {row['load_s']:.1f} s)", highlight=False)
+        console.print(f"  {spec['engine']} ({spec['config']}): {row['wall_s']:.2f} s, "
+                      f"{row['output_tokens_per_s']:,.1f} out tok/s, load {row['load_s']:.1f} s", highlight=False)
 
     # The roof is timed again after the engines and the higher of the two is used: on a shared VM the
     # same loop moved by 10-25% between minutes, and a roof caught in a slow minute would flatter
