@@ -43,34 +43,33 @@ inline vec fma(vec a, vec b, vec c) { return a * b + c; }  // two instructions: 
 inline float lanes_sum(vec v) { return v[0] + v[1] + v[2] + v[3]; }
 #endif
 
-// acc = acc * m + a converges (|m| < 1), so no chain overflows however long it runs.
-float fp32_chains(int64_t iters, float seed) {
+// kChains independent chains of `step` (one instruction each), from distinct starting values; the
+// result depends on every chain, so the compiler keeps them all.
+template <typename Step>
+inline float run_chains(int64_t iters, float seed, Step step) {
   vec acc[kChains];
   for (int j = 0; j < kChains; ++j) acc[j] = splat(seed + j);
-  const vec m = splat(0.999f), a = splat(1e-3f);
   for (int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 12
-    for (int j = 0; j < kChains; ++j) acc[j] = fma(acc[j], m, a);
+    for (int j = 0; j < kChains; ++j) acc[j] = step(acc[j]);
   }
   float s = 0;
   for (int j = 0; j < kChains; ++j) s += lanes_sum(acc[j]);
   return s;
 }
 
+// acc = acc * m + a converges (|m| < 1), so no chain overflows however long it runs.
+float fp32_chains(int64_t iters, float seed) {
+  const vec m = splat(0.999f), a = splat(1e-3f);
+  return run_chains(iters, seed, [=](vec acc) { return fma(acc, m, a); });
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool kHasBf16Dot = true;
+// acc += a0*b0 + a1*b1 per lane, 1e-6 a round: far from overflow for any run this times.
 float bf16_chains(int64_t iters, float seed) {
-  __m512 acc[kChains];
-  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(seed + j);
   const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
-  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 12
-    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
-  }
-  float s = 0;
-  for (int j = 0; j < kChains; ++j) s += _mm512_reduce_add_ps(acc[j]);
-  return s;
+  return run_chains(iters, seed, [=](vec acc) { return _mm512_dpbf16_ps(acc, a, a); });
 }
 #else
 constexpr bool kHasBf16Dot = false;
