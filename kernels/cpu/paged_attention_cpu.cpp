@@ -78,47 +78,59 @@ inline v8f horizontal_sums8(const v8f* a) {
                    pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
 }
 
-// A kVec-float accumulator as 8 lanes: with AVX-512 its two halves added (lane i then sums the
-// dimensions i mod 8, in another association than an 8-wide build: equal within rounding, and
-// fixed, so results stay deterministic).
-inline v8f fold8(vgf a) {
+// The dot products and weighted sums below are written once for a vector of W floats: W = 8 (one
+// AVX register) always works; W = kVec (16 under AVX-512, kernels/cpu/simd.h) is used when a head is
+// a whole number of such vectors.
+template <int W> struct Vec;
+template <> struct Vec<8> {
+  using T = v8f;
+  static T load(const float* p) { return load8(p); }
+  static void store(float* p, T x) { store8(p, x); }
+  static T splat(float x) { return broadcast8(x); }
+  static v8f fold8(T a) { return a; }
+};
 #if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
-  return (v8f)_mm256_add_ps(_mm512_castps512_ps256((__m512)a), _mm512_extractf32x8_ps((__m512)a, 1));
-#else
-  return a;
+template <> struct Vec<16> {
+  using T = vgf;
+  static T load(const float* p) { return load_v(p); }
+  static void store(float* p, T x) { store_v(p, x); }
+  static T splat(float x) { return broadcast_v(x); }
+  // Its two halves added: lane i then sums the dimensions i mod 8, in another association than an
+  // 8-wide build (equal within rounding, and fixed, so results stay deterministic).
+  static v8f fold8(T a) {
+    return (v8f)_mm256_add_ps(_mm512_castps512_ps256((__m512)a), _mm512_extractf32x8_ps((__m512)a, 1));
+  }
+};
 #endif
-}
 
-// Whether a head of hd floats is a whole number of kVec vectors (the wide loops below need it).
+// Whether a head of hd floats is a whole number of kVec vectors (the wide instantiations need it).
 inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 
-// s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8). Eight
-// keys at a time: eight independent FMA chains instead of one latency-bound chain per dot.
+// s[c] = q . k_c for the keys of whole groups of 8, from c; returns where it stopped. Eight
+// independent FMA chains instead of one latency-bound chain per dot.
+template <int W>
+inline int64_t score_keys_by8(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t c,
+                              int64_t n, int64_t hd, float* __restrict s) {
+  using V = Vec<W>;
+  for (; c + 8 <= n; c += 8) {
+    typename V::T a[8] = {};
+    const float* kc = k + c * kstride;
+    for (int64_t d = 0; d < hd; d += W) {
+      const typename V::T qv = V::load(q + d);
+      for (int j = 0; j < 8; ++j) a[j] += qv * V::load(kc + j * kstride + d);
+    }
+    v8f f[8];
+    for (int j = 0; j < 8; ++j) f[j] = V::fold8(a[j]);
+    store8(s + c, horizontal_sums8(f));
+  }
+  return c;
+}
+
+// s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8).
 inline void score_keys(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t n,
                        int64_t hd, float* __restrict s) {
-  int64_t c = 0;
-  if (wide(hd)) {
-    for (; c + 8 <= n; c += 8) {
-      vgf a[8] = {};
-      const float* kc = k + c * kstride;
-      for (int64_t d = 0; d < hd; d += kVec) {
-        const vgf qv = load_v(q + d);
-        for (int j = 0; j < 8; ++j) a[j] += qv * load_v(kc + j * kstride + d);
-      }
-      v8f f[8];
-      for (int j = 0; j < 8; ++j) f[j] = fold8(a[j]);
-      store8(s + c, horizontal_sums8(f));
-    }
-  }
-  for (; c + 8 <= n; c += 8) {
-    v8f a[8] = {};
-    const float* kc = k + c * kstride;
-    for (int64_t d = 0; d < hd; d += 8) {
-      const v8f qv = load8(q + d);
-      for (int j = 0; j < 8; ++j) a[j] += qv * load8(kc + j * kstride + d);
-    }
-    store8(s + c, horizontal_sums8(a));
-  }
+  int64_t c = wide(hd) ? score_keys_by8<kVec>(q, k, kstride, 0, n, hd, s)
+                        : score_keys_by8<8>(q, k, kstride, 0, n, hd, s);
   for (; c < n; ++c) {
     v8f a0 = {}, a1 = {};
     const float* kc = k + c * kstride;
@@ -132,65 +144,53 @@ inline void score_keys(const float* __restrict q, const float* __restrict k, int
   }
 }
 
-// acc[0:8*NV] += sum_c p[c] * v_c[0:8*NV], the accumulators held in registers across the keys.
-template <int NV>
+// acc[0:W*NV] += sum_c p[c] * v_c[0:W*NV], the accumulators held in registers across the keys. Each
+// lane sums over the keys in order, so every W gives the same results.
+template <int W, int NV>
 inline void weighted_sum_block(float* __restrict acc, const float* __restrict p, const float* __restrict v,
                                int64_t vstride, int64_t n) {
-  v8f a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = load8(acc + 8 * i);
+  using V = Vec<W>;
+  typename V::T a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = V::load(acc + W * i);
   for (int64_t c = 0; c < n; ++c) {
-    const v8f w = broadcast8(p[c]);
+    const typename V::T w = V::splat(p[c]);
     const float* vc = v + c * vstride;
-    for (int i = 0; i < NV; ++i) a[i] += w * load8(vc + 8 * i);
+    for (int i = 0; i < NV; ++i) a[i] += w * V::load(vc + W * i);
   }
-  for (int i = 0; i < NV; ++i) store8(acc + 8 * i, a[i]);
+  for (int i = 0; i < NV; ++i) V::store(acc + W * i, a[i]);
 }
 
-// weighted_sum_block at the full vector width: the same per-lane sums over the keys, in the same
-// order, so the same results as the 8-wide blocks, with half the loads and FMAs under AVX-512.
-template <int NV>
-inline void weighted_sum_wide(float* __restrict acc, const float* __restrict p, const float* __restrict v,
-                              int64_t vstride, int64_t n) {
-  vgf a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = load_v(acc + kVec * i);
-  for (int64_t c = 0; c < n; ++c) {
-    const vgf w = broadcast_v(p[c]);
-    const float* vc = v + c * vstride;
-    for (int i = 0; i < NV; ++i) a[i] += w * load_v(vc + kVec * i);
-  }
-  for (int i = 0; i < NV; ++i) store_v(acc + kVec * i, a[i]);
-}
-
-// Rows a and b at the full vector width (each V row loaded once for both).
-template <int NV>
-inline void weighted_sum2_wide(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
-                               const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
-  vgf a[NV], b[NV];
+// Rows a and b against the same V rows (each V row loaded once for both).
+template <int W, int NV>
+inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
+                                const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
+  using V = Vec<W>;
+  typename V::T a[NV], b[NV];
   for (int i = 0; i < NV; ++i) {
-    a[i] = load_v(acc_a + kVec * i);
-    b[i] = load_v(acc_b + kVec * i);
+    a[i] = V::load(acc_a + W * i);
+    b[i] = V::load(acc_b + W * i);
   }
   for (int64_t c = 0; c < n; ++c) {
-    const vgf wa = broadcast_v(pa[c]), wb = broadcast_v(pb[c]);
+    const typename V::T wa = V::splat(pa[c]), wb = V::splat(pb[c]);
     const float* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) {
-      const vgf vv = load_v(vc + kVec * i);
+      const typename V::T vv = V::load(vc + W * i);
       a[i] += wa * vv;
       b[i] += wb * vv;
     }
   }
   for (int i = 0; i < NV; ++i) {
-    store_v(acc_a + kVec * i, a[i]);
-    store_v(acc_b + kVec * i, b[i]);
+    V::store(acc_a + W * i, a[i]);
+    V::store(acc_b + W * i, b[i]);
   }
 }
 
-// hd in whole vectors, 8 (one row) or 4 (two rows) vectors per pass: accumulators stay in registers.
-template <int MaxNV, typename F>
+// hd in passes of at most MaxNV vectors of W floats, so a pass's accumulators stay in registers.
+template <int W, int MaxNV, typename F>
 inline void by_vectors(int64_t hd, F&& pass) {
   int64_t d = 0;
-  for (; d + MaxNV * kVec <= hd; d += MaxNV * kVec) pass(d, std::integral_constant<int, MaxNV>{});
-  switch ((hd - d) / kVec) {
+  for (; d + MaxNV * W <= hd; d += MaxNV * W) pass(d, std::integral_constant<int, MaxNV>{});
+  switch ((hd - d) / W) {
     case 7: if constexpr (MaxNV > 7) pass(d, std::integral_constant<int, 7>{}); break;
     case 6: if constexpr (MaxNV > 6) pass(d, std::integral_constant<int, 6>{}); break;
     case 5: if constexpr (MaxNV > 5) pass(d, std::integral_constant<int, 5>{}); break;
@@ -202,116 +202,70 @@ inline void by_vectors(int64_t hd, F&& pass) {
   }
 }
 
-inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
-  if (wide(hd)) {
-    by_vectors<8>(hd, [&](int64_t d, auto nv) {
-      weighted_sum_wide<decltype(nv)::value>(acc + d, p, v + d, vstride, n);
-    });
-    return;
-  }
-  int64_t d = 0;
-  for (; d + 64 <= hd; d += 64) weighted_sum_block<8>(acc + d, p, v + d, vstride, n);
-  switch ((hd - d) / 8) {
-    case 7: weighted_sum_block<7>(acc + d, p, v + d, vstride, n); break;
-    case 6: weighted_sum_block<6>(acc + d, p, v + d, vstride, n); break;
-    case 5: weighted_sum_block<5>(acc + d, p, v + d, vstride, n); break;
-    case 4: weighted_sum_block<4>(acc + d, p, v + d, vstride, n); break;
-    case 3: weighted_sum_block<3>(acc + d, p, v + d, vstride, n); break;
-    case 2: weighted_sum_block<2>(acc + d, p, v + d, vstride, n); break;
-    case 1: weighted_sum_block<1>(acc + d, p, v + d, vstride, n); break;
-    default: break;
-  }
+template <int W>
+inline void weighted_sum_w(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+  by_vectors<W, 8>(hd, [&](int64_t d, auto nv) {
+    weighted_sum_block<W, decltype(nv)::value>(acc + d, p, v + d, vstride, n);
+  });
 }
 
-// Two query rows (heads of one GQA group) against the same keys: each K row loaded serves both,
-// four keys x two rows = eight FMA chains.
-inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
-                        int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb) {
-  int64_t c = 0;
-  if (wide(hd)) {
-    for (; c + 4 <= n; c += 4) {
-      vgf a[8] = {};
-      const float* kc = k + c * kstride;
-      for (int64_t d = 0; d < hd; d += kVec) {
-        const vgf q0 = load_v(qa + d), q1 = load_v(qb + d);
-        for (int j = 0; j < 4; ++j) {
-          const vgf kv = load_v(kc + j * kstride + d);
-          a[j] += q0 * kv;
-          a[4 + j] += q1 * kv;
-        }
-      }
-      v8f f[8];
-      for (int j = 0; j < 8; ++j) f[j] = fold8(a[j]);
-      const v8f r = horizontal_sums8(f);
-      for (int j = 0; j < 4; ++j) {
-        sa[c + j] = r[j];
-        sb[c + j] = r[4 + j];
-      }
-    }
-  }
+inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+  if (wide(hd)) return weighted_sum_w<kVec>(acc, p, v, vstride, n, hd);
+  weighted_sum_w<8>(acc, p, v, vstride, n, hd);
+}
+
+// Two query rows (heads of one GQA group) against the same keys, whole groups of 4 keys from c:
+// each K row loaded serves both, four keys x two rows = eight FMA chains. Returns where it stopped.
+template <int W>
+inline int64_t score_keys2_by4(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
+                               int64_t kstride, int64_t c, int64_t n, int64_t hd, float* __restrict sa,
+                               float* __restrict sb) {
+  using V = Vec<W>;
   for (; c + 4 <= n; c += 4) {
-    v8f a[8] = {};
+    typename V::T a[8] = {};
     const float* kc = k + c * kstride;
-    for (int64_t d = 0; d < hd; d += 8) {
-      const v8f q0 = load8(qa + d), q1 = load8(qb + d);
+    for (int64_t d = 0; d < hd; d += W) {
+      const typename V::T q0 = V::load(qa + d), q1 = V::load(qb + d);
       for (int j = 0; j < 4; ++j) {
-        const v8f kv = load8(kc + j * kstride + d);
+        const typename V::T kv = V::load(kc + j * kstride + d);
         a[j] += q0 * kv;
         a[4 + j] += q1 * kv;
       }
     }
-    const v8f r = horizontal_sums8(a);
+    v8f f[8];
+    for (int j = 0; j < 8; ++j) f[j] = V::fold8(a[j]);
+    const v8f r = horizontal_sums8(f);
     for (int j = 0; j < 4; ++j) {
       sa[c + j] = r[j];
       sb[c + j] = r[4 + j];
     }
   }
+  return c;
+}
+
+inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
+                        int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb) {
+  const int64_t c = wide(hd) ? score_keys2_by4<kVec>(qa, qb, k, kstride, 0, n, hd, sa, sb)
+                             : score_keys2_by4<8>(qa, qb, k, kstride, 0, n, hd, sa, sb);
   if (c < n) {
     score_keys(qa, k + c * kstride, kstride, n - c, hd, sa + c);
     score_keys(qb, k + c * kstride, kstride, n - c, hd, sb + c);
   }
 }
 
-template <int NV>
-inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
-                                const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
-  v8f a[NV], b[NV];
-  for (int i = 0; i < NV; ++i) {
-    a[i] = load8(acc_a + 8 * i);
-    b[i] = load8(acc_b + 8 * i);
-  }
-  for (int64_t c = 0; c < n; ++c) {
-    const v8f wa = broadcast8(pa[c]), wb = broadcast8(pb[c]);
-    const float* vc = v + c * vstride;
-    for (int i = 0; i < NV; ++i) {
-      const v8f vv = load8(vc + 8 * i);
-      a[i] += wa * vv;
-      b[i] += wb * vv;
-    }
-  }
-  for (int i = 0; i < NV; ++i) {
-    store8(acc_a + 8 * i, a[i]);
-    store8(acc_b + 8 * i, b[i]);
-  }
-}
-
-// Both rows' accumulators += their weights times the same V rows (each V row loaded once).
+// Both rows' accumulators += their weights times the same V rows: passes of 4 vectors with 8-float
+// vectors (8 accumulators of the 16 AVX registers), of 8 with AVX-512 (16 of its 32).
 inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const float* v,
                           int64_t vstride, int64_t n, int64_t hd) {
   if (wide(hd)) {
-    by_vectors<8>(hd, [&](int64_t d, auto nv) {
-      weighted_sum2_wide<decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
+    by_vectors<kVec, 8>(hd, [&](int64_t d, auto nv) {
+      weighted_sum2_block<kVec, decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
     });
     return;
   }
-  int64_t d = 0;
-  for (; d + 32 <= hd; d += 32) weighted_sum2_block<4>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
-  switch ((hd - d) / 8) {
-    case 3: weighted_sum2_block<3>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
-    case 2: weighted_sum2_block<2>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
-    case 1: weighted_sum2_block<1>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n); break;
-    default: break;
-  }
+  by_vectors<8, 4>(hd, [&](int64_t d, auto nv) {
+    weighted_sum2_block<8, decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n);
+  });
 }
 
 // Online-softmax step for one row over its scores s[0:n] of a chunk: raise the running max m (and
