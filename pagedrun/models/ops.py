@@ -46,17 +46,20 @@ class CpuModelOps:
         lib.linear_packed_bf16.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         # vdpbf16ps where the CPU has avx512_bf16; fp32 FMAs on widened bf16 otherwise.
         self.bf16_dot = bool(lib.packed_gemm_has_bf16_dot())
-        for suffix in ("f32", "bf16"):
+        # The float32 and bfloat16 variant of each elementwise op, looked up once (ops are called per layer).
+        self._ops = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
                                    ("silu_and_mul", [_ptr] * 2 + [_i64] * 4 + [_int])):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = _int, argtypes
+                self._ops[name, dtype] = fn
         self.lib = lib
 
     def op(self, name: str, dtype: torch.dtype):
         """The float32 or bfloat16 variant of an elementwise op."""
-        return getattr(self.lib, f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+        return self._ops[name, dtype]
 
 
 def load_error() -> str | None:
