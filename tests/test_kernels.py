@@ -387,7 +387,9 @@ def test_copy_blocks_all_layers_one_launch(emu, dtype):
 
 
 def test_pseudo_sequences():
-    token_to_seq, lens = K.pseudo_sequences([3, 1, 2], [5, 9, 2])
+    from pagedrun.attention.paged_step import pseudo_sequences
+
+    token_to_seq, lens = pseudo_sequences([3, 1, 2], [5, 9, 2])
     assert token_to_seq.tolist() == [0, 0, 0, 1, 2, 2]
     # seq0: context 2, queries at positions 2,3,4; seq1: decode; seq2: no prefix
     assert lens.tolist() == [3, 4, 5, 9, 1, 2]

@@ -260,7 +260,6 @@ class PagedKernels:
         Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks).
         More than max_grid_y sequences are launched in chunks of rows (sequences sit on gridDim.y).
         """
-        v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         if num_seqs == 0:
             return "none"
@@ -355,26 +354,6 @@ def c_contiguous_ignoring_size1(a) -> bool:
             return False
         expect *= int(a.shape[d])
     return True
-
-
-# ---------------------------------------------------------------- prefill as pseudo-sequences
-
-
-def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """One pseudo-sequence per query token: (token -> sequence index, its seq_len).
-
-    Query j of sequence i sits at position context_i + j and may see cache positions
-    0..context_i + j, i.e. it is a decode query of a sequence of length context_i + j + 1 that
-    uses sequence i's block table. Causality comes from the lengths alone; decode tokens are the
-    case j = 0 with query length 1.
-    """
-    q = np.asarray(query_lens, dtype=np.int64)
-    s = np.asarray(seq_lens, dtype=np.int64)
-    token_to_seq = np.repeat(np.arange(len(q), dtype=np.int64), q)
-    starts = np.cumsum(q) - q
-    j = np.arange(int(q.sum()), dtype=np.int64) - np.repeat(starts, q)
-    lens = (s - q)[token_to_seq] + j + 1
-    return token_to_seq, lens.astype(np.int32)
 
 
 def build_kernels(

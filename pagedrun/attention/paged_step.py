@@ -11,7 +11,7 @@ Two ways to do prefill, one per backend need:
   sequence goes through torch's scaled_dot_product_attention (tensor cores on a GPU;
   pagedrun/attention/sdpa_prefill.py). The CuPy backend's default.
 - "kernel": every token is a paged-kernel row, prefill token j of sequence i a "pseudo-sequence"
-  of length context_i + j + 1 on i's block table (kernels.pseudo_sequences). The emulated
+  of length context_i + j + 1 on i's block table (pseudo_sequences below). The emulated
   backend's default, so CI runs the kernels on prefill too.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from pagedrun.attention import kernels as K
@@ -67,7 +68,7 @@ def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: st
         lens = torch.tensor([slens[i] for i in decodes], dtype=torch.int32).to(device)
         max_seq_len = max((slens[i] for i in decodes), default=0)
     else:
-        token_to_seq, seq_lens = K.pseudo_sequences(qlens, slens)
+        token_to_seq, seq_lens = pseudo_sequences(qlens, slens)
         bt = tables.index_select(0, torch.from_numpy(token_to_seq).to(device)).contiguous()
         lens = torch.from_numpy(seq_lens).to(device)
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
@@ -107,3 +108,20 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
                         meta.block_size, scale)
     return out, version
+
+
+def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One pseudo-sequence per query token: (token -> sequence index, its seq_len).
+
+    Query j of sequence i sits at position context_i + j and may see cache positions
+    0..context_i + j, i.e. it is a decode query of a sequence of length context_i + j + 1 that
+    uses sequence i's block table. Causality comes from the lengths alone; decode tokens are the
+    case j = 0 with query length 1.
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    token_to_seq = np.repeat(np.arange(len(q), dtype=np.int64), q)
+    starts = np.cumsum(q) - q
+    j = np.arange(int(q.sum()), dtype=np.int64) - np.repeat(starts, q)
+    lens = (s - q)[token_to_seq] + j + 1
+    return token_to_seq, lens.astype(np.int32)
