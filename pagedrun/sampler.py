@@ -9,16 +9,19 @@ on which other requests share the batch or in which order they arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedrun.sampling_params import SamplingParams
+from pagedrun.structured.bitmask import apply_grammar_bitmasks
 
 
 @dataclass
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # None: the engine-wide generator (unseeded requests)
+    grammar: Any = None  # structured/grammar.Grammar of a constrained sequence: masks its logits
 
 
 @dataclass
@@ -41,6 +44,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.float()
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
+            apply_grammar_bitmasks(logits, constrained, [rows[i].grammar for i in constrained])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
 

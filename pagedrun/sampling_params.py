@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from pagedrun.echo import clip, echo
 from pagedrun.errors import PagedrunError
+from pagedrun.structured.params import SpecError, check_structured_outputs
 
 # vLLM treats temperatures this small as greedy: dividing logits by ~0 overflows to inf/nan.
 _GREEDY_EPS = 1e-5
@@ -28,7 +29,7 @@ MAX_STOPS = 1024  # stop strings, stop token ids
 _VLLM_UNSUPPORTED = frozenset({
     "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "truncate_prompt_tokens", "logits_processors", "guided_decoding", "structured_outputs",
+    "truncate_prompt_tokens", "logits_processors", "guided_decoding",
     "logit_bias", "allowed_token_ids", "bad_words", "detokenize", "output_kind",
 })
 
@@ -53,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled token
+    structured_outputs: dict | None = None  # {"json": schema} | {"regex": ...} | ... (structured/params.py)
 
     def __post_init__(self) -> None:
         # Constructing directly (from Python) gets the same checks as from_dict.
@@ -201,6 +203,13 @@ def _stop_token_ids(v: Any) -> list[int]:
     return list(v)
 
 
+def _structured_outputs(v: Any) -> dict | None:
+    try:
+        return check_structured_outputs(v)
+    except SpecError as e:
+        raise InvalidValue(str(e)) from None
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "n": int_check(lo=1, cap=MAX_N),
     "max_tokens": int_check(lo=1, cap=_MAX_COUNT),
@@ -214,6 +223,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": bool_check,
     "logprobs": optional(int_check(lo=0, hi=MAX_LOGPROBS)),
+    "structured_outputs": _structured_outputs,
 }
 assert set(_CHECKS) == set(FIELD_NAMES), "every SamplingParams field needs a check"
 

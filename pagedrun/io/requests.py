@@ -29,6 +29,7 @@ from pagedrun.echo import clip, echo, echo_json
 from pagedrun.errors import PagedrunError
 from pagedrun.input_files import read_input
 from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged
+from pagedrun.structured.grammar import compile_spec
 
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _KNOWN_KEYS = ("id", *_PROMPT_KEYS, *FIELD_NAMES)
@@ -57,8 +58,12 @@ class _LineError(Exception):
         self.field, self.message = field, message
 
 
-class _TooLong(_LineError):
-    """A prompt longer than max_model_len allows: an error record even without skip_invalid."""
+class _OneRequest(_LineError):
+    """This request's own problem, not the file's: an error record even without skip_invalid."""
+
+
+class _TooLong(_OneRequest):
+    """A prompt longer than max_model_len allows."""
 
 
 def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab_size: int,
@@ -75,6 +80,10 @@ def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM some editors write
         data = data[3:]
 
+    if defaults.structured_outputs is not None:  # the recipe's constraint: every line's problem
+        problem = compile_spec(defaults.structured_outputs)[1]
+        if problem is not None:
+            raise PagedrunError(f"recipe: sampling.structured_outputs: {problem}")
     requests: list[Request] = []
     invalid: list[InvalidRequest] = []
     first_line_of_id: dict[str, int] = {}
@@ -91,7 +100,7 @@ def read_requests(path: Path, tokenizer: Any, defaults: SamplingParams, *, vocab
                 raise _LineError("id", f"duplicate id {echo(rid)} (first used on line {first_line_of_id[rid]})")
             first_line_of_id[rid] = lineno
             request = _build_request(obj, rid, lineno, name, tokenizer, defaults, vocab_size, max_model_len)
-        except _TooLong as e:
+        except _OneRequest as e:
             invalid.append(InvalidRequest(id=rid, line=lineno, error=f"{name}:{lineno}: {e.field}: {e.message}"))
             continue
         except _LineError as e:
@@ -162,6 +171,8 @@ def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokeni
     for i, t in enumerate(sampling.stop_token_ids):
         if t >= vocab_size:
             raise _LineError("stop_token_ids", f"token id {t} at index {i} is outside [0, {vocab_size})")
+    if sampling.structured_outputs is not None:
+        _check_structured(sampling.structured_outputs, tokenizer)
 
     prompt: str | None = None
     messages: list[dict] | None = None
@@ -188,6 +199,18 @@ def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokeni
                              f" (a prompt may have at most {max_model_len - 1})")
     return Request(id=rid, line=lineno, prompt_token_ids=ids, sampling=sampling,
                    prompt=prompt, messages=messages)
+
+
+def _check_structured(spec: dict, tokenizer: Any) -> None:
+    """Compiled now (cached per distinct constraint) so that a schema the grammar engine refuses is
+    this line's error record, not a failure mid-run."""
+    _need_tokenizer(tokenizer, "structured_outputs")
+    try:
+        problem = compile_spec(spec)[1]
+    except PagedrunError as e:  # the grammar engine is not installed: the command to install it
+        raise _LineError("structured_outputs", str(e)) from None
+    if problem is not None:
+        raise _OneRequest("structured_outputs", problem)
 
 
 def _check_token_ids(ids: Any, vocab_size: int) -> list[int]:

@@ -1,0 +1,65 @@
+"""One step's grammar masks: filled for every constrained row in one call, applied as one batch.
+
+The sampler calls `apply_grammar_bitmasks` with the rows that carry a grammar; unconstrained rows
+are not touched (a step without constrained rows never gets here). Per step:
+
+1. llguidance's executor fills one 32-bit-per-token bitmask row per distinct matcher, in parallel
+   threads and without the GIL (a prompt about to fork into n rows shares one matcher: one fill);
+2. the rows are unpacked to one byte per token (numpy.unpackbits, little-endian bit order, which
+   is llguidance's layout: token t is bit t % 32 of word t // 32);
+3. the constrained rows of the logits get -inf where a token is not allowed, in one masked_fill.
+
+Everything after this (temperature, top-k/p, seeded draws, logprobs) sees the masked logits, as in
+vLLM, where the bitmask is applied to the logits before the sampler.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_executor = None  # llguidance.LLExecutor: a thread pool, stateless between calls
+
+
+def _get_executor():
+    global _executor
+    if _executor is None:
+        from llguidance import LLExecutor
+
+        _executor = LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    return _executor
+
+
+def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
+    """(len(grammars), ceil(vocab / 32)) int32 bitmasks, one row per grammar, filled in one call."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.empty((len(grammars), words), dtype=torch.int32)
+    _get_executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                            bitmask.data_ptr(), words * 4, len(grammars))
+    return bitmask
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bitmasks as (rows, vocab_size) booleans: True where the token is allowed."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
+
+
+def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[int], grammars: list) -> None:
+    """Set logits[rows[j], t] = -inf for every token t that grammars[j] does not allow, in place."""
+    vocab = logits.shape[1]
+    distinct: dict[int, int] = {}  # id(grammar) -> its bitmask row
+    unique = []
+    for g in grammars:
+        if id(g) not in distinct:
+            distinct[id(g)] = len(unique)
+            unique.append(g)
+    allowed = allowed_tokens(fill_bitmasks(unique, vocab), vocab)
+    if len(unique) != len(grammars):
+        allowed = allowed[torch.tensor([distinct[id(g)] for g in grammars])]
+    allowed = allowed.to(logits.device, non_blocking=True)
+    with torch.inference_mode():  # the model's logits are inference tensors: in place only in here
+        if len(rows) == logits.shape[0]:  # every row constrained, in order
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
