@@ -3,6 +3,7 @@ batching with mixed constraints, n > 1, seeds, stop strings, max_tokens, prefix 
 of preemption. Random logits wander in free whitespace, so these use disable_any_whitespace."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -27,6 +28,9 @@ LABEL = {"type": "object", "required": ["label"], "additionalProperties": False,
          "properties": {"label": {"enum": ["pos", "neg", "neutral"]}}}
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
 CHOICES = ["yes", "no", "maybe"]
+# The optional extra; only the shape checks and the missing-extra error run without it.
+needs_engine = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                  reason='the optional extra: pip install -e ".[structured]"')
 SPECIAL_IDS = {0, 1}  # <unk>, <s>; </s> (2) is the stop token, allowed only at the end
 
 
@@ -86,6 +90,7 @@ def assert_all_valid(outs, n_requests: int, allow_length: bool = False) -> None:
             check_output(kind, c.text)
 
 
+@needs_engine
 def test_mixed_batch_parses_and_validates_with_n_and_seeds(tiny):
     llm = make_llm(tiny)
     reqs = requests_for(12) + [dict(r, n=3, temperature=1.0, seed=100 + i) for i, r in enumerate(requests_for(4))]
@@ -103,6 +108,7 @@ def test_mixed_batch_parses_and_validates_with_n_and_seeds(tiny):
     assert [c.token_ids for c in alone[0].outputs] == [c.token_ids for c in outs[13].outputs]
 
 
+@needs_engine
 def test_fan_out_beyond_max_num_seqs(tiny):
     llm = make_llm(tiny, "scheduler.max_num_seqs=4")
     outs = llm.generate([dict(requests_for(1)[0], n=6, temperature=1.0, seed=5)])
@@ -110,6 +116,7 @@ def test_fan_out_beyond_max_num_seqs(tiny):
     assert len(outs[0].outputs) == 6
 
 
+@needs_engine
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_and_prefix_hits_keep_outputs_valid_and_equal(tiny, mode):
     reqs = requests_for(16, prefix="shared system prompt " * 6)
@@ -126,6 +133,7 @@ def test_preemption_and_prefix_hits_keep_outputs_valid_and_equal(tiny, mode):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+@needs_engine
 def test_stop_strings_and_max_tokens_cut_documents(tiny):
     llm = make_llm(tiny)
     spec = {"json": PERSON, "disable_any_whitespace": True}
@@ -139,6 +147,7 @@ def test_stop_strings_and_max_tokens_cut_documents(tiny):
     assert cut.text.startswith('{"name":"') and "," not in cut.text
 
 
+@needs_engine
 def test_constrained_request_ends_at_grammar_end_even_with_ignore_eos(tiny):
     outs = make_llm(tiny).generate([{"prompt": "x", "structured_outputs": {"choice": CHOICES},
                                      "ignore_eos": True, "max_tokens": 50}])
@@ -146,6 +155,7 @@ def test_constrained_request_ends_at_grammar_end_even_with_ignore_eos(tiny):
     assert c.text in CHOICES and c.finish_reason == "stop" and c.token_ids[-1] == 2
 
 
+@needs_engine
 def test_sampler_masks_only_constrained_rows(tiny):
     llm = make_llm(tiny)
     llm.engine.structured = None
@@ -163,6 +173,7 @@ def test_sampler_masks_only_constrained_rows(tiny):
     assert not set(allowed) & SPECIAL_IDS
 
 
+@needs_engine
 def test_grammar_sync_rolls_back_and_feeds(tiny):
     tok = make_llm(tiny).tokenizer
     manager = grammar_mod.StructuredOutputManager(tok, 640, {2})
@@ -198,6 +209,7 @@ def test_bad_shape_is_a_field_error(value, words):
     assert "\n" not in str(e.value)
 
 
+@needs_engine
 def test_uncompilable_schema_is_that_lines_error_record(tiny, tmp_path):
     llm = make_llm(tiny)
     p = tmp_path / "prompts.jsonl"
@@ -215,6 +227,7 @@ def test_uncompilable_schema_is_that_lines_error_record(tiny, tmp_path):
         llm.read_requests(p)
 
 
+@needs_engine
 def test_recipe_default_applies_to_every_line(tiny, tmp_path):
     llm = make_llm(tiny, 'sampling.structured_outputs={"choice": ["yes", "no"]}')
     outs = llm.generate(["a", "b", {"prompt": "c", "structured_outputs": None}])
