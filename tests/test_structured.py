@@ -150,9 +150,13 @@ def test_stop_strings_and_max_tokens_cut_documents(tiny):
 @needs_engine
 def test_constrained_request_ends_at_grammar_end_even_with_ignore_eos(tiny):
     outs = make_llm(tiny).generate([{"prompt": "x", "structured_outputs": {"choice": CHOICES},
-                                     "ignore_eos": True, "max_tokens": 50}])
+                                     "ignore_eos": True, "max_tokens": 50},
+                                    {"prompt": "y", "structured_outputs": {"regex": "[a-z]{1,200}"},
+                                     "ignore_eos": True, "min_tokens": 150, "max_tokens": 300}])
     c = outs[0].outputs[0]
     assert c.text in CHOICES and c.finish_reason == "stop" and c.token_ids[-1] == 2
+    c = outs[1].outputs[0]  # the stop token is allowed once a letter is out, and then ends it
+    assert re.fullmatch("[a-z]{1,200}", c.text) and c.finish_reason == "stop" and c.token_ids[-1] == 2
 
 
 @needs_engine

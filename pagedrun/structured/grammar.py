@@ -130,6 +130,7 @@ class StructuredOutputManager:
         # ~0.3 s for a 49k vocabulary: built once, on the first constrained request.
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                          eos_token=sorted(eos_token_ids))
+        self.eos_token_ids = set(eos_token_ids)
         self.grammars: dict[int, Grammar] = {}
         self._initial: dict[str, Any] = {}  # spec key -> a fresh matcher, deep-copied per sequence
 
@@ -167,9 +168,12 @@ class StructuredOutputManager:
         g = self.grammars.get(seq.seq_id)
         if g is None or seq.is_finished:
             return
-        was_complete = g.is_terminated
-        g.accept(seq.token_ids[-1])
-        if was_complete:
+        token = seq.token_ids[-1]
+        if g.is_terminated:  # nothing may follow (the mask allowed only the stop token)
+            seq.finish("stop", None)
+            return
+        g.accept(token)
+        if token in self.eos_token_ids:  # allowed only where the grammar may end: it has ended
             seq.finish("stop", None)
 
     def fork(self, parent_id: int, child_id: int) -> None:
