@@ -158,7 +158,7 @@ class StructuredOutputManager:
     def row_grammar(self, seq: Any) -> Grammar | None:
         """The grammar that masks this sequence's next token, at exactly its output tokens."""
         g = self.grammars.get(seq.seq_id)
-        if g is not None:
+        if g is not None and g.num_accepted != seq.num_output_tokens:  # compare first: no list copy
             g.sync(seq.output_token_ids)
         return g
 
