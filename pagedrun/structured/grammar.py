@@ -1,14 +1,13 @@
 """Constraints -> grammars -> one matcher per sequence, through llguidance (an optional extra).
 
-Why llguidance rather than xgrammar (both are what vLLM offers; measured here, README
+Why llguidance rather than xgrammar (vLLM offers both; measured here, docs/benchmarks.md
 "Structured outputs"): llguidance is one 3.1 MB wheel with no dependencies, where xgrammar's
-metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it compiled every
-schema of our coverage set 2-40x faster (0.1-3 ms against 0.4-34 ms); and it refuses the JSON
-Schema keywords it cannot enforce (not, if/then, uniqueItems, dependentRequired) with an error
-naming them, where xgrammar compiled them without enforcing them. Filling 64 masks costs the
-same in both (about 1 ms per step). Its tokenizer view marks the model's special tokens, so
-`<|im_start|>` and friends never appear inside constrained text (xgrammar's view of SmolLM2 lists
-none, FACTS.md).
+metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it compiled our
+schema set in 0.1-3 ms each against xgrammar's 0.4-34 ms; it refuses the JSON Schema keywords it
+cannot enforce (not, if/then, uniqueItems, dependentRequired) with an error naming them, where
+xgrammar compiled `not` and did not enforce it. Filling 64 masks cost the same in both (about
+1 ms per step). Its view of the tokenizer knows the model's special tokens, so `<|im_start|>` and
+friends never appear inside constrained text (xgrammar's view of SmolLM2 lists none, FACTS.md).
 
 The matcher of a sequence follows the sequence's output tokens: `Grammar.sync` compares the count
 it has accepted with the sequence's and rolls back or feeds the difference, so whatever the
