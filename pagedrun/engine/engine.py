@@ -181,7 +181,7 @@ class LLMEngine:
             gens = self._generators(s.seq, group, fan)
             for k in range(fan):
                 row_of.append(r)
-                rows.append(SamplingRow(group.sampling, gens[k]))
+                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len)))
             row_owner.append((s, fan, gens))
             r += 1
         result = None
