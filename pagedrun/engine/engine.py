@@ -22,9 +22,9 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
-from pagedrun.kv.populate import CachePopulator
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.kv.populate import CachePopulator
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe
