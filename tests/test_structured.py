@@ -169,7 +169,7 @@ def test_sampler_masks_only_constrained_rows(tiny):
     logits = torch.randn(3, 640, generator=torch.Generator().manual_seed(0))
     ref = logits.clone()
     greedy = SamplingParams()
-    out = Sampler()(logits, [SamplingRow(greedy, None), SamplingRow(greedy, None, g), SamplingRow(greedy, None)])
+    out = Sampler()(logits, [SamplingRow(greedy, None), SamplingRow(greedy, None, grammar=g), SamplingRow(greedy, None)])
     assert torch.equal(logits[0], ref[0]) and torch.equal(logits[2], ref[2])
     assert out.token_ids[0] == int(ref[0].argmax()) and out.token_ids[2] == int(ref[2].argmax())
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
@@ -248,3 +248,11 @@ def test_without_the_extra_a_one_line_error_with_the_install_command(tiny, tmp_p
         llm.read_requests(p)
     assert str(e.value) == ("prompts.jsonl:1: structured_outputs: structured outputs need the grammar engine "
                             f"llguidance: {grammar_mod.INSTALL_HINT}")
+
+
+@needs_engine
+def test_penalties_and_logit_bias_keep_outputs_valid(tiny):
+    # The mask comes first: a bias or penalty can reorder the allowed tokens, never unmask one.
+    reqs = [dict(r, repetition_penalty=1.5, presence_penalty=1.0, logit_bias={"5": 100.0, "300": 50.0})
+            for r in requests_for(8)]
+    assert_all_valid(make_llm(tiny).generate(reqs), 8)

@@ -24,6 +24,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.kv.populate import CachePopulator
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe
@@ -105,6 +106,7 @@ class LLMEngine:
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
                                         self.dtype, self.device)
+        self.populator = CachePopulator([self.cache_engine.gpu_kv_cache])
         self.backend = make_backend(recipe.model.attention_backend, self.device)
         self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
                                  enable_prefix_caching=recipe.cache.enable_prefix_caching,
@@ -166,6 +168,7 @@ class LLMEngine:
             finished += self._unblock()
             return finished
 
+        self.populator.ensure(self.kv.num_gpu_blocks_touched)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
@@ -189,7 +192,8 @@ class LLMEngine:
             grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
             for k in range(fan):
                 row_of.append(r)
-                rows.append(SamplingRow(group.sampling, gens[k], grammar))
+                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len),
+                                        grammar=grammar))
             row_owner.append((s, fan, gens))
             r += 1
         result = None

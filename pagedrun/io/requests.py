@@ -171,6 +171,9 @@ def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokeni
     for i, t in enumerate(sampling.stop_token_ids):
         if t >= vocab_size:
             raise _LineError("stop_token_ids", f"token id {t} at index {i} is outside [0, {vocab_size})")
+    for t in sampling.logit_bias:
+        if t >= vocab_size:
+            raise _LineError("logit_bias", f"token id {t} is outside [0, {vocab_size})")
     if sampling.structured_outputs is not None:
         _check_structured(sampling.structured_outputs, tokenizer)
 
