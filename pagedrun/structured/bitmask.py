@@ -29,9 +29,10 @@ def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bitmasks as (rows, vocab_size) booleans: True where the token is allowed."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bitmasks as (rows, vocab_size) booleans: True where the token is NOT allowed (the words
+    are inverted before unpacking: a pass over vocab/8 bytes instead of over vocab booleans)."""
+    bits = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
 
@@ -44,13 +45,13 @@ def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[int], grammars: list
         if id(g) not in distinct:
             distinct[id(g)] = len(unique)
             unique.append(g)
-    allowed = allowed_tokens(fill_bitmasks(unique, vocab), vocab)
+    masked = disallowed_tokens(fill_bitmasks(unique, vocab), vocab)
     if len(unique) != len(grammars):
-        allowed = allowed[torch.tensor([distinct[id(g)] for g in grammars])]
-    allowed = allowed.to(logits.device, non_blocking=True)
+        masked = masked[torch.tensor([distinct[id(g)] for g in grammars])]
+    masked = masked.to(logits.device, non_blocking=True)
     with torch.inference_mode():  # the model's logits are inference tensors: in place only in here
         if len(rows) == logits.shape[0]:  # every row constrained, in order
-            logits.masked_fill_(~allowed, float("-inf"))
+            logits.masked_fill_(masked, float("-inf"))
             return
         idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+        logits[idx] = logits[idx].masked_fill_(masked, float("-inf"))
