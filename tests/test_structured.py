@@ -256,3 +256,12 @@ def test_penalties_and_logit_bias_keep_outputs_valid(tiny):
     reqs = [dict(r, repetition_penalty=1.5, presence_penalty=1.0, logit_bias={"5": 100.0, "300": 50.0})
             for r in requests_for(8)]
     assert_all_valid(make_llm(tiny).generate(reqs), 8)
+
+
+def test_a_model_without_tokenizer_refuses_constraints(tmp_path):
+    d = make_tiny_model("llama", tmp_path / "m", seed=1)
+    llm = make_llm(d)
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"prompt_token_ids": [5, 6], "structured_outputs": {"choice": ["a"]}}) + "\n")
+    with pytest.raises(PagedrunError, match=r"^prompts.jsonl:1: structured_outputs: needs the model's tokenizer"):
+        llm.read_requests(p)

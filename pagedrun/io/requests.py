@@ -207,7 +207,9 @@ def _build_request(obj: dict[str, Any], rid: str, lineno: int, name: str, tokeni
 def _check_structured(spec: dict, tokenizer: Any) -> None:
     """Compiled now (cached per distinct constraint) so that a schema the grammar engine refuses is
     this line's error record, not a failure mid-run."""
-    _need_tokenizer(tokenizer, "structured_outputs")
+    if tokenizer is None:
+        raise _LineError("structured_outputs", "needs the model's tokenizer (grammars are matched on text); "
+                                               "this model has none")
     try:
         problem = compile_spec(spec)[1]
     except PagedrunError as e:  # the grammar engine is not installed: the command to install it
