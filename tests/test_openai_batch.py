@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from openai.types import Completion  # the dev extra's: a real client's types, not our reading of the docs
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict
 from typer.testing import CliRunner
 
@@ -16,10 +18,6 @@ from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.requests import read_requests
 from pagedrun.sampling_params import SamplingParams
 from tiny_models import add_word_tokenizer, make_tiny_model
-
-openai_types = pytest.importorskip("openai.types", reason="the dev extra's openai package")
-from openai.types import Completion  # noqa: E402
-from openai.types.chat import ChatCompletion  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "capital", "of", "France", "is", "Paris", "be", "brief", "hello"]
