@@ -49,6 +49,8 @@ _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "re
                         "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
                         "parallel_tool_calls", "web_search_options", "reasoning_effort", "verbosity"})
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
+_KNOWN = frozenset({*_SAMPLING, *_IGNORED, *_UNSUPPORTED, "messages", "prompt", "max_tokens", "max_completion_tokens",
+                    "logprobs", "top_logprobs", "response_format"})
 
 
 class BatchLineError(Exception):
@@ -129,10 +131,7 @@ def parse_batch_line(obj: dict) -> BatchRequest:
             raise BatchLineError(where, f"not a field of {url}")
         if key in _UNSUPPORTED and value is not None and value != _UNSUPPORTED[key]:
             raise BatchLineError(where, "not supported by pagedrun")
-        known = key in _SAMPLING or key in _IGNORED or key in _UNSUPPORTED or key in (
-            "messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-            "response_format")
-        if not known:
+        if key not in _KNOWN:
             raise BatchLineError(where, "unknown field")
     overrides = _sampling_overrides(body, chat)
     batch = BatchLine(custom_id=obj["custom_id"], url=url)
