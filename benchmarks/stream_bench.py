@@ -4,6 +4,7 @@ the machine and whatever else runs on it.
 
     python benchmarks/stream_bench.py --sizes 10000 200000 [--max-tokens 4] [--format openai|jsonl]
                                       [--time-limit 600]
+    python benchmarks/stream_bench.py --rewrite-only --sizes 200000    # the final rewrite alone
 
 The model is `pagedrun bench`'s 29M random Llama with a word-level tokenizer added (4000 words), so
 requests are text: each line is tokenized, as a real file's are. Each size runs in its own process;
@@ -92,6 +93,44 @@ def run_one(model: Path, prompts: Path, out: Path, sets: list[str], time_limit: 
             "lines_written": done, "stopped_at_time_limit": stopped, "stderr_tail": proc.stderr.read().decode()[-300:]}
 
 
+def rewrite_only(workdir: Path, n: int, fmt: str, max_tokens: int) -> dict:
+    """The final in-order rewrite alone, at n lines: pass 1 over the file, n output lines of the
+    Batch API's shape (about 600 bytes) appended in reverse order, then finalize; peak RSS of this
+    process (ru_maxrss) before and after the rewrite. In-process: no model, so the numbers are the
+    streaming machinery's own."""
+    import resource
+
+    from pagedrun.io.openai_batch import BatchJob
+    from pagedrun.io.outputs import OutputWriter, request_key
+    from pagedrun.io.request_stream import RequestStream
+    from pagedrun.models.loader import load_tokenizer
+    from pagedrun.sampling_params import SamplingParams
+
+    prompts = workdir / f"requests-{n}.{fmt}.jsonl"
+    if not prompts.exists():
+        write_requests(prompts, n, fmt, max_tokens)
+    job = BatchJob("0" * 64, "tiny", 0)
+    stream = RequestStream(prompts, SamplingParams(), vocab_size=4000, max_model_len=2048,
+                           tokenizer=load_tokenizer(bench_model(workdir)), batch_job=job)
+    stream.validate()
+    out = workdir / f"rewrite-{n}.jsonl"
+    writer = OutputWriter(out, {"prompts": str(n)}, overwrite=True, fsync_interval_s=60)
+    writer.open()
+    pad = "w1 " * 150
+    for i in reversed(range(n)):
+        cid = f"r{i}"
+        writer.write({"id": job.line_id(cid), "custom_id": cid, "response": {"status_code": 200, "request_id": "x",
+                      "body": {"choices": [{"text": pad}]}}, "error": None}, request_key(job.line_id(cid)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    writer.finalize(stream.order(writer.__contains__))
+    rewrite_s = time.perf_counter() - t0
+    writer.close()
+    return {"lines": n, "output_mib": out.stat().st_size / 2**20, "peak_rss_before_rewrite_mib": before,
+            "peak_rss_after_rewrite_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rewrite_s": rewrite_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 200_000])
@@ -100,8 +139,12 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pagedrun-stream-bench"))
     ap.add_argument("--set", action="append", default=[], help="recipe override, as for pagedrun generate")
+    ap.add_argument("--rewrite-only", action="store_true", help="measure the final rewrite alone (one size)")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.rewrite_only:
+        print(json.dumps(rewrite_only(args.workdir, args.sizes[0], args.format, args.max_tokens)))
+        return
     model = bench_model(args.workdir)
     sets = ["cache.kv_cache_memory=256MiB", "model.threads=2", *args.set]
     rows = []

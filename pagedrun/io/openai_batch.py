@@ -51,6 +51,8 @@ _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "re
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
 _KNOWN = frozenset({*_SAMPLING, *_IGNORED, *_UNSUPPORTED, "messages", "prompt", "max_tokens", "max_completion_tokens",
                     "logprobs", "top_logprobs", "response_format"})
+_CHAT_FIELDS = _KNOWN - _COMPLETIONS_ONLY
+_COMPLETIONS_FIELDS = _KNOWN - _CHAT_ONLY
 
 
 class BatchLineError(Exception):
@@ -125,14 +127,14 @@ def parse_batch_line(obj: dict) -> BatchRequest:
     if not isinstance(body, dict):
         raise BatchLineError("body", f"must be an object, got {echo_json(body)}")
     chat = url == CHAT_URL
-    for key, value in body.items():
-        where = f"body.{clip(str(key))}"
-        if (chat and key in _COMPLETIONS_ONLY) or (not chat and key in _CHAT_ONLY):
-            raise BatchLineError(where, f"not a field of {url}")
-        if key in _UNSUPPORTED and value is not None and value != _UNSUPPORTED[key]:
-            raise BatchLineError(where, "not supported by pagedrun")
-        if key not in _KNOWN:
-            raise BatchLineError(where, "unknown field")
+    allowed = _CHAT_FIELDS if chat else _COMPLETIONS_FIELDS
+    if not body.keys() <= allowed:  # set operations first: most lines need no loop over their fields
+        key = next(k for k in body if k not in allowed)  # the first in the line: the same error every run
+        raise BatchLineError(f"body.{clip(str(key))}", f"not a field of {url}" if key in _KNOWN else "unknown field")
+    if not body.keys().isdisjoint(_UNSUPPORTED):
+        for key in body:
+            if key in _UNSUPPORTED and body[key] is not None and body[key] != _UNSUPPORTED[key]:
+                raise BatchLineError(f"body.{key}", "not supported by pagedrun")
     overrides = _sampling_overrides(body, chat)
     batch = BatchLine(custom_id=obj["custom_id"], url=url)
     if chat:

@@ -245,40 +245,45 @@ class OutputWriter:
 
     def _rewrite(self, keys: Iterable[Key], rest: bool = False) -> None:
         """Copy the records of `keys` (then, with rest=True, every other one in file order) to a new
-        file; the index then points into it."""
+        file; the index then points into it (records of neither are dropped)."""
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
         tmp = temp_path(self.path)
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        index: dict[Key, int] = {}
+        done = self.done
         try:
             with os.fdopen(fd, "wb") as out, self.path.open("rb") as src:
                 at = 0
 
-                def copy(key: Key) -> None:
+                def copy(key: Key, packed: int) -> None:
                     nonlocal at
-                    packed = self.done[key]
                     src.seek(packed >> 32)
                     line = src.read(packed & 0xFFFFFFFF)
                     out.write(line)
-                    index[key] = at << 32 | len(line)
+                    # Updated in place (no second index): a copied line's entry is its new place,
+                    # bit-inverted (negative) to mark it copied until the end.
+                    done[key] = ~(at << 32 | len(line))
                     at += len(line)
 
                 for key in keys:
-                    if key in self.done and key not in index:
-                        copy(key)
+                    packed = done.get(key, -1)
+                    if packed >= 0:
+                        copy(key, packed)
                 if rest:
-                    for key in self.done:
-                        if key not in index:
-                            copy(key)
+                    for key, packed in done.items():  # values change, not the keys: iterating is safe
+                        if packed >= 0:
+                            copy(key, packed)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
-        self.done = index
-        self.failed &= index.keys()
+        for key in [k for k, packed in done.items() if packed >= 0]:  # not copied: gone from the file
+            del done[key]
+            self.failed.discard(key)
+        for key, packed in done.items():
+            done[key] = ~packed
 
 
 _writes_in_progress = 0

@@ -60,14 +60,15 @@ class RequestStream:
                 if raw.strip():
                     yield lineno, raw
 
-    def _checker(self) -> LineChecker:
+    def _checker(self, unique_ids: bool = False) -> LineChecker:
+        """Pass 1's checks ids for duplicates; the later passes skip the lines it refused, so keep no table."""
         return LineChecker(self.path.name, self.defaults, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
-                           batch_job=self.batch_job)
+                           batch_job=self.batch_job, unique_ids=unique_ids)
 
     # ---- pass 1 ---------------------------------------------------------------------------------
     def validate(self, done: Callable[[Key], bool] = lambda key: False) -> None:
         """Check every line; raises PagedrunError at the first bad one unless skip_invalid."""
-        checker = self._checker()
+        checker = self._checker(unique_ids=True)
         for lineno, raw in self._lines():
             self.num_lines += 1
             try:

@@ -38,6 +38,7 @@ _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _KNOWN_KEYS = ("id", *_PROMPT_KEYS, *FIELD_NAMES)
 JSONL, OPENAI = "jsonl", "openai"
 _MERGED_CACHE = 1024  # distinct sets of sampling overrides remembered per file
+_SCALARS = (int, float, str, bool, type(None))
 
 
 @dataclass
@@ -114,14 +115,15 @@ class LineChecker:
     """Checks the lines of one file in order: the file's format, each line's fields, unique ids."""
 
     def __init__(self, name: str, defaults: SamplingParams, *, vocab_size: int, tokenizer: Any,
-                 batch_job: BatchJob | None = None) -> None:
+                 batch_job: BatchJob | None = None, unique_ids: bool = True) -> None:
+        """unique_ids=False: no id table (a later pass over lines whose ids were checked already)."""
         self.name, self.defaults, self.vocab_size, self.tokenizer = name, defaults, vocab_size, tokenizer
-        self.batch_job = batch_job
+        self.batch_job, self.unique_ids = batch_job, unique_ids
         self.format: str | None = None
         self.format_line = 0
         self.first_line_of_id: dict[str, int] = {}
         self.other_models: dict[str, int] = {}  # a batch body's model other than the recipe's -> first line
-        self._merged: dict[str, SamplingParams] = {}  # overrides (as JSON) -> their checked SamplingParams
+        self._merged: dict[Any, SamplingParams] = {}  # overrides (a tuple or JSON) -> their checked params
 
     def check(self, raw: bytes, lineno: int) -> LineSpec:
         """The checked line; raises LineFailure."""
@@ -144,6 +146,8 @@ class LineChecker:
                 spec = self._check_jsonl(obj, rid, lineno)
             id_field = "custom_id" if fmt == OPENAI else "id"
             shown = custom_id if fmt == OPENAI else rid
+            if not self.unique_ids:
+                return spec
             if spec.id in self.first_line_of_id:
                 raise LineError(id_field, f"duplicate {id_field} {echo(shown)} "
                                           f"(first used on line {self.first_line_of_id[spec.id]})")
@@ -154,7 +158,7 @@ class LineChecker:
             message = f"{self.name}:{lineno}:{field} {e.message}"
         except PagedrunError as e:  # from SamplingParams: already "prompts.jsonl:7: field: ..."
             message = str(e)
-        if self.format == JSONL:
+        if self.format == JSONL and self.unique_ids:
             self.first_line_of_id.setdefault(rid, lineno)  # a later line may not reuse an error record's id
         elif self.format == OPENAI:  # e.g. a pagedrun line in a batch file: its own kind of id
             rid = self.batch_job.error_line_id(lineno)
@@ -232,10 +236,14 @@ class LineChecker:
     def _sampling(self, overrides: dict[str, Any], lineno: int) -> SamplingParams:
         # Building SamplingParams is most of a line's check (~0.1 ms): lines of a large file mostly
         # repeat a few sets of overrides, which share one (nothing mutates a request's params).
-        try:
-            key = json.dumps(overrides, sort_keys=True)
-        except (TypeError, ValueError):  # not JSON (a Python caller's values): checked, not shared
-            key = None
+        key: Any = None
+        if all(type(v) in _SCALARS for v in overrides.values()):  # the type too: True is not 1 here
+            key = tuple(sorted((k, type(v), v) for k, v in overrides.items()))
+        else:
+            try:
+                key = json.dumps(overrides, sort_keys=True)
+            except (TypeError, ValueError):  # not JSON (a Python caller's values): checked, not shared
+                pass
         sampling = self._merged.get(key) if key is not None else None
         if sampling is None:
             sampling = merged(self.defaults, overrides, where=f"{self.name}:{lineno}")
