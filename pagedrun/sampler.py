@@ -1,6 +1,7 @@
 """The Sampler: logits of the sequences that produce a token this step -> one token id each.
 
-Greedy rows take the argmax. Random rows are processed together: temperature, then top-k, top-p
+Logit bias and penalties come first (penalties.py), for the rows that ask for them. Greedy rows
+take the argmax. Random rows are processed together: temperature, then top-k, top-p
 and min-p masks, then one draw by the "exponential race" (argmax of p_i / E_i with E_i ~ Exp(1)),
 which samples exactly from p. Each seeded sequence draws its E_i from its own torch.Generator, one
 vocabulary-sized draw per token, so its tokens depend only on its seed and its own history, never
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedrun.penalties import apply_penalties
 from pagedrun.sampling_params import SamplingParams
 
 
@@ -19,6 +21,8 @@ from pagedrun.sampling_params import SamplingParams
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # None: the engine-wide generator (unseeded requests)
+    # The sequence's token ids (prompt then output) and prompt length, read by the penalties only.
+    history: tuple[list[int], int] = ((), 0)
 
 
 @dataclass
@@ -40,7 +44,8 @@ class Sampler:
         self.global_generator = make_generator(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        logits = logits.float()
+        raw = logits.float()
+        logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
 
@@ -65,7 +70,7 @@ class Sampler:
             token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
 
         ids = token_ids.tolist()
-        return SampleResult(ids, self._logprobs(logits, rows, ids))
+        return SampleResult(ids, self._logprobs(raw, rows, ids))
 
     @staticmethod
     def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -23,13 +23,14 @@ _SEED_LIMIT = 2**64  # torch.Generator.manual_seed accepts seeds up to 2**64 - 1
 MAX_N = 10_000
 _MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k: anything above max_model_len or the vocab
 MAX_STOPS = 1024  # stop strings, stop token ids
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents none; vLLM none either)
 
 # vLLM fields users will try; naming them avoids a bare "unknown field" for a well-known option.
 _VLLM_UNSUPPORTED = frozenset({
-    "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+    "best_of", "prompt_logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "truncate_prompt_tokens", "logits_processors", "guided_decoding", "structured_outputs",
-    "logit_bias", "allowed_token_ids", "bad_words", "detokenize", "output_kind",
+    "allowed_token_ids", "bad_words", "detokenize", "output_kind",
 })
 
 
@@ -53,6 +54,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled token
+    # Penalties (pagedrun/penalties.py): OpenAI's presence/frequency over the generated tokens,
+    # vLLM/HF's multiplicative repetition penalty over prompt + generated; logit_bias added first.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Constructing directly (from Python) gets the same checks as from_dict.
@@ -70,6 +77,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +205,23 @@ def _stop(v: Any) -> list[str]:
     return list(v)
 
 
+def _logit_bias(v: Any) -> dict[int, float]:
+    # JSON object keys are strings: OpenAI's own files write {"50256": -100}.
+    if not isinstance(v, dict):
+        raise InvalidValue("must be a mapping of token id -> bias in [-100, 100]")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise InvalidValue(f"must hold at most {MAX_LOGIT_BIAS} token ids")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        tok = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 else k
+        if not is_int(tok) or tok < 0:
+            raise InvalidValue(f"must map non-negative integer token ids to biases; key {echo(k)} is not one")
+        if not (is_int(b) or isinstance(b, float)) or not math.isfinite(float(b)) or not -100 <= b <= 100:
+            raise InvalidValue(f"must map token ids to biases in [-100, 100]; {tok} -> {echo(b)}")
+        out[tok] = float(b)
+    return out
+
+
 def _stop_token_ids(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
         raise InvalidValue("must be a list of non-negative integer token ids")
@@ -214,6 +243,11 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": bool_check,
     "logprobs": optional(int_check(lo=0, hi=MAX_LOGPROBS)),
+    "presence_penalty": float_check("a number in [-2, 2]", lambda x: -2 <= x <= 2),
+    "frequency_penalty": float_check("a number in [-2, 2]", lambda x: -2 <= x <= 2),
+    # vLLM accepts any value > 0; 1 = off, > 1 discourages repeats, < 1 encourages them.
+    "repetition_penalty": float_check("a number > 0 (1 = off)", lambda x: x > 0, cap=100.0),
+    "logit_bias": _logit_bias,
 }
 assert set(_CHECKS) == set(FIELD_NAMES), "every SamplingParams field needs a check"
 

@@ -76,8 +76,8 @@ def test_unknown_field_is_named_with_a_suggestion():
 
 
 def test_unsupported_vllm_field_says_so():
-    with pytest.raises(PagedrunError, match=r"^prompts\.jsonl:7: presence_penalty: unknown field: a vLLM"):
-        SamplingParams.from_dict({"presence_penalty": 0.5}, WHERE)
+    with pytest.raises(PagedrunError, match=r"^prompts\.jsonl:7: best_of: unknown field: a vLLM"):
+        SamplingParams.from_dict({"best_of": 2}, WHERE)
 
 
 def test_min_tokens_above_max_tokens():

@@ -24,6 +24,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.kv.populate import CachePopulator
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe
@@ -104,6 +105,7 @@ class LLMEngine:
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
                                         self.dtype, self.device)
+        self.populator = CachePopulator([self.cache_engine.gpu_kv_cache])
         self.backend = make_backend(recipe.model.attention_backend, self.device)
         self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
                                  enable_prefix_caching=recipe.cache.enable_prefix_caching,
@@ -159,6 +161,7 @@ class LLMEngine:
             finished += self._unblock()
             return finished
 
+        self.populator.ensure(self.kv.num_gpu_blocks_touched)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
@@ -181,7 +184,7 @@ class LLMEngine:
             gens = self._generators(s.seq, group, fan)
             for k in range(fan):
                 row_of.append(r)
-                rows.append(SamplingRow(group.sampling, gens[k]))
+                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len)))
             row_owner.append((s, fan, gens))
             r += 1
         result = None

@@ -254,6 +254,9 @@ class LineChecker:
         for i, t in enumerate(sampling.stop_token_ids):
             if t >= self.vocab_size:
                 raise LineError("stop_token_ids", f"token id {t} at index {i} is outside [0, {self.vocab_size})")
+        for t in sampling.logit_bias:
+            if t >= self.vocab_size:
+                raise LineError("logit_bias", f"token id {t} is outside [0, {self.vocab_size})")
         return sampling
 
     def _check_tokenizer(self, kind: str) -> None:

@@ -171,6 +171,9 @@ class BlockPool:
         self.num_evictions = 0
         self._next_cache_id = 0
         self._num_cached_free = 0  # hashed blocks in the free queue (kept as a count: read every step)
+        # 1 + the highest block id ever handed out. Never-used blocks leave the queue in id order,
+        # so the blocks ever used are exactly [0, num_blocks_touched) (kv/populate.py relies on it).
+        self.num_blocks_touched = 0
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -198,6 +201,8 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if out:
+            self.num_blocks_touched = max(self.num_blocks_touched, max(b.block_id for b in out) + 1)
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:

@@ -63,6 +63,11 @@ class KVCacheManager:
         return self.gpu_pool.num_free_blocks
 
     @property
+    def num_gpu_blocks_touched(self) -> int:
+        """Blocks [0, n) have been handed out at least once (their memory has been written)."""
+        return self.gpu_pool.num_blocks_touched
+
+    @property
     def num_free_cpu_blocks(self) -> int:
         return self.cpu_pool.num_free_blocks
 

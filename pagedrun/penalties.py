@@ -1,0 +1,80 @@
+"""Logit bias and penalties, applied to the rows of a batch that ask for them, before sampling.
+
+In vLLM v1's order (logits processors, then penalties), on the float32 logits of the step:
+
+| field                | what it does to logit l_t of token t                   | history it counts |
+|----------------------|--------------------------------------------------------|-------------------|
+| `logit_bias`         | l_t += bias_t                                          | -                 |
+| `repetition_penalty` | l_t /= r if l_t > 0 else l_t *= r  (HF, vLLM; CTRL)    | prompt + output   |
+| `frequency_penalty`  | l_t -= f * count_t                                     | output only       |
+| `presence_penalty`   | l_t -= p * (count_t > 0)                               | output only       |
+
+(OpenAI's formula for the last two; "output" are the tokens this sequence generated so far.)
+Greedy rows take the argmax of the result, random rows go on to temperature and the top-k/p masks.
+Logprobs stay those of the model's raw distribution (vLLM's default), so they are computed from
+the logits as they were before this module.
+
+The whole batch's counts are built with one scatter-add: rows without penalties pay nothing.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pagedrun.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+    """`logits` [rows, vocab] float32 with bias and penalties applied (a new tensor if any applied).
+
+    `histories[i]` is (token ids, prompt length) of row i's sequence: prompt followed by output.
+    """
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    device = logits.device
+    idx = torch.tensor(rows, device=device)
+    sub = logits[idx]
+
+    bias_rows, bias_toks, bias_vals = [], [], []
+    for j, i in enumerate(rows):
+        for tok, b in params[i].logit_bias.items():
+            bias_rows.append(j)
+            bias_toks.append(tok)
+            bias_vals.append(b)
+    if bias_rows:
+        sub.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_toks, device=device)),
+                       torch.tensor(bias_vals, device=device), accumulate=True)
+
+    rep = [j for j, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
+    if rep:
+        seen = _scatter_counts([histories[rows[j]][0] for j in rep], vocab, device) > 0
+        r = torch.tensor([params[rows[j]].repetition_penalty for j in rep], device=device).unsqueeze(1)
+        x = sub[rep]
+        sub[rep] = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+
+    additive = [j for j, i in enumerate(rows) if params[i].frequency_penalty or params[i].presence_penalty]
+    if additive:
+        counts = _scatter_counts([histories[rows[j]][0][histories[rows[j]][1]:] for j in additive], vocab, device)
+        f = torch.tensor([params[rows[j]].frequency_penalty for j in additive], device=device).unsqueeze(1)
+        p = torch.tensor([params[rows[j]].presence_penalty for j in additive], device=device).unsqueeze(1)
+        sub[additive] -= f * counts + p * (counts > 0).float()
+
+    logits[idx] = sub
+    return logits
+
+
+def _scatter_counts(token_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each token occurs in each list."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths) == 0:
+        return counts
+    flat = torch.tensor([t for toks in token_lists for t in toks], device=device)
+    row = torch.repeat_interleave(torch.arange(len(token_lists), device=device), torch.tensor(lengths, device=device))
+    counts.index_put_((row, flat), torch.ones(len(flat), device=device), accumulate=True)
+    return counts
