@@ -159,7 +159,8 @@ def test_body_fields_map_onto_sampling_params(tmp_path):
     p = write(tmp_path / "batch.jsonl", [
         chat("c", max_tokens=5, max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, seed=3, stop="x",
              logprobs=True, top_logprobs=2, user="u", metadata={"k": "v"}, store=False, model="gpt-4o-mini"),
-        completion("d", prompt=[5, 6], max_tokens=4, logprobs=3, stop=["a", "b"]),
+        completion("d", prompt=[5, 6], max_tokens=4, logprobs=3, stop=["a", "b"], presence_penalty=0.5,
+                   frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"7": -100, "9": 2.5}),
     ])
     (c, d), invalid = read(p, tokenizer=_tokenizer(tmp_path))
     assert not invalid
@@ -168,6 +169,8 @@ def test_body_fields_map_onto_sampling_params(tmp_path):
     assert c.batch.logprobs and c.batch.top_logprobs == 2 and c.messages == [{"role": "user",
                                                                               "content": "the capital of France is"}]
     assert d.prompt_token_ids == [5, 6] and (d.sampling.max_tokens, d.sampling.logprobs) == (4, 3)
+    assert (d.sampling.presence_penalty, d.sampling.frequency_penalty, d.sampling.repetition_penalty,
+            d.sampling.logit_bias) == (0.5, -1.0, 1.2, {7: -100.0, 9: 2.5})
 
 
 def _tokenizer(tmp_path: Path):
@@ -229,6 +232,27 @@ def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
     before = out.read_bytes()
     again = invoke(model, prompts, out, "--skip-invalid", "--overwrite")
     assert again.exit_code == 3 and out.read_bytes() == before
+
+
+def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    paris = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("Paris")
+    prompts = write(tmp_path / "batch.jsonl", [
+        chat("biased", max_completion_tokens=3, logit_bias={str(paris): 100}),
+        completion("penalised", max_tokens=6, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+        completion("plain", max_tokens=6),
+        chat("bad", logit_bias={"5": 101}),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    got = records(out)
+    for r in got:
+        check_line(r)
+    assert got[0]["response"]["body"]["choices"][0]["message"]["content"] == "Paris Paris Paris"
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
+    assert got[3]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
+                                          "[-100, 100]; 5 -> 101, got {\"5\": 101}")
 
 
 def test_without_skip_invalid_a_bad_line_stops_before_the_model_loads(model, tmp_path, monkeypatch):

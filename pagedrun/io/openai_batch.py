@@ -32,8 +32,8 @@ COMPLETIONS_URL = "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
 ROLES = ("system", "user", "assistant", "developer")
 
-# Body fields -> SamplingParams fields. The penalties and logit_bias go through once SamplingParams
-# has them (the sampler's issue); vLLM's extra sampling fields are accepted as vLLM's server does.
+# Body fields -> SamplingParams fields (OpenAI's and vLLM's names agree); vLLM's extra sampling fields
+# are accepted as vLLM's server accepts them.
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed", "stop": "stop",
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
              "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "top_k": "top_k",
@@ -168,23 +168,13 @@ def _sampling_overrides(body: dict, chat: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, name in _SAMPLING.items():
         if key in body and body[key] is not None:
-            value = body[key]
-            if key == "logit_bias" and isinstance(value, dict):  # JSON object keys are strings
-                value = {_token_id(k): v for k, v in value.items()}
-            out[name] = _checked(f"body.{key}", name, value)
+            out[name] = _checked(f"body.{key}", name, body[key])
     # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens; both are read.
     for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         if body.get(key) is not None:
             out["max_tokens"] = _checked(f"body.{key}", "max_tokens", body[key])
             break
     return out
-
-
-def _token_id(key: str) -> Any:
-    try:
-        return int(key)
-    except ValueError:
-        raise BatchLineError("body.logit_bias", f"keys must be token ids, got {echo_json(key)}") from None
 
 
 def _chat_logprobs(body: dict, batch: BatchLine, overrides: dict) -> None:
