@@ -1,8 +1,11 @@
 """The `pagedrun generate` job: recipe + prompts file -> outputs.jsonl (+ report), resumable.
 
-Order of work: validate the recipe, check the prompts file exists, load the model, parse and check
-every request, open the output (resuming if it holds finished requests of the same job), run with a
-progress bar, rewrite the output in input order, print the summary and write the report.
+Order of work: validate the recipe, check the prompts file exists, open the output's lock and read
+what a previous run finished, check every line of the prompts file (pass 1, no tokenization: a bad
+line stops the job before the model loads), load the model, run with a progress bar while the
+requests are tokenized in a window ahead of the engine (pass 2), rewrite the output in input order
+(pass 3 reads the order from the prompts file again), print the summary and write the report.
+The prompts file is pagedrun's JSONL or an OpenAI batch file; the output follows its format.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bo
 
     tokenizer, cfg, max_model_len = request_checker(recipe)
     # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
-    job = BatchJob(input_sha256=prompts_sha256, model=cfg_model_name(recipe), created=int(prompts.stat().st_mtime),
+    job = BatchJob(input_sha256=prompts_sha256, model=model_name(recipe), created=int(prompts.stat().st_mtime),
                    system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
     stream = RequestStream(prompts, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                            tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job)
@@ -88,7 +91,7 @@ def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bo
     return stream
 
 
-def cfg_model_name(recipe) -> str:
+def model_name(recipe) -> str:
     """The model's name in a batch file's outputs: its directory's (SmolLM2-135M-Instruct by default)."""
     from pagedrun.engine.engine import resolve_model_dir
 

@@ -134,7 +134,7 @@ class LineChecker:
             if self.format is None:
                 self.format, self.format_line = fmt, lineno
                 if fmt == OPENAI and self.batch_job is None:
-                    raise LineError(None, "an OpenAI batch file: run it with `pagedrun generate` (not --ray)")
+                    raise LineError(None, "an OpenAI batch file: only `pagedrun generate` (without --ray) reads these")
             if fmt != self.format:
                 raise LineError(None, f"{_LINE_NAMES[fmt]} in {_FILE_NAMES[self.format]} (line "
                                       f"{self.format_line} decided the format; one format per file)")
