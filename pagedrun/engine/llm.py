@@ -44,7 +44,7 @@ class LLM:
         """Prompts as str, token-id lists, request dicts (the JSONL schema) or Requests."""
         defaults = sampling_params or self.recipe.sampling
         checker = LineChecker("prompts", defaults, vocab_size=self.engine.model_config.vocab_size,
-                              tokenizer=self.tokenizer)
+                              tokenizer=self.tokenizer, unique_ids=False)  # a caller's ids are its own business
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, Request):

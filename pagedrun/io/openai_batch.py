@@ -115,7 +115,8 @@ def parse_batch_line(obj: dict) -> BatchRequest:
     """Check one line's envelope and body; raises BatchLineError naming the field."""
     for key in obj:
         if key not in LINE_KEYS:
-            raise BatchLineError(clip(str(key)), 'unknown field (a batch line has "custom_id", "method", "url", "body")')
+            raise BatchLineError(clip(str(key)),
+                                 'unknown field (a batch line has "custom_id", "method", "url", "body")')
     if custom_id_of(obj) is None:
         raise BatchLineError("custom_id", f"must be a non-empty string, got {echo_json(obj.get('custom_id'))}")
     if obj.get("method") != "POST":
