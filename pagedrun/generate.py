@@ -1,8 +1,11 @@
 """The `pagedrun generate` job: recipe + prompts file -> outputs.jsonl (+ report), resumable.
 
-Order of work: validate the recipe, check the prompts file exists, load the model, parse and check
-every request, open the output (resuming if it holds finished requests of the same job), run with a
-progress bar, rewrite the output in input order, print the summary and write the report.
+Order of work: validate the recipe, check the prompts file exists, open the output's lock and read
+what a previous run finished, check every line of the prompts file (pass 1, no tokenization: a bad
+line stops the job before the model loads), load the model, run with a progress bar while the
+requests are tokenized in a window ahead of the engine (pass 2), rewrite the output in input order
+(pass 3 reads the order from the prompts file again), print the summary and write the report.
+The prompts file is pagedrun's JSONL or an OpenAI batch file; the output follows its format.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pagedrun.errors import PagedrunError
 from pagedrun.recipe import load_recipe
 # Shared with the Ray driver (distributed/), so below both; the exit codes (EXIT_*) are defined there.
-from pagedrun.run_output import job_exit_code, open_output, print_summary
+from pagedrun.run_output import job_exit_code, open_stream_output, print_summary
 
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
@@ -46,42 +49,72 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         finally:
             writer.close()
             stop.restore()
+    # Pass 1 over the prompts (io/request_stream.py): a bad line fails here, before the model loads.
+    with console.status("checking requests…", spinner="dots"):
+        stream = _check_requests(recipe, prompts, fingerprint["prompts"], skip_invalid, writer)
+    if stream.other_models and not quiet:
+        names = ", ".join(repr(m) for m in list(stream.other_models)[:3])
+        console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
+                      f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
+                      style="yellow", highlight=False, soft_wrap=True, markup=False)
     from pagedrun.engine.llm import LLM  # imports torch: seconds, so after the cheap checks
 
     t_load = time.perf_counter()
     with console.status("loading model…", spinner="dots"):
         llm = LLM(recipe)
     load_s = time.perf_counter() - t_load
-    requests, invalid = llm.read_requests(prompts, skip_invalid=skip_invalid)
     if not quiet:
         print_startup(console, llm, load_s)
 
-    # Error records are keyed by line, requests by id (see pagedrun/io/outputs.py): a duplicate-id
-    # line's error record must not replace the request it duplicates.
     stop.install()
     try:
-        return _run_and_write(llm, requests, invalid, writer, recipe=recipe, load_s=load_s, output=output,
+        return _run_and_write(llm, stream, writer, recipe=recipe, load_s=load_s, output=output,
                               plot=plot, quiet=quiet, console=console, stop=stop)
     finally:
         writer.close()
         stop.restore()
 
 
-def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
+def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):
+    """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
+    from pagedrun.distributed.driver import request_checker
+    from pagedrun.io.openai_batch import BatchJob
+    from pagedrun.io.request_stream import RequestStream
+
+    tokenizer, cfg, max_model_len = request_checker(recipe)
+    # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
+    job = BatchJob(input_sha256=prompts_sha256, model=model_name(recipe), created=int(prompts.stat().st_mtime),
+                   system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
+    stream = RequestStream(prompts, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
+                           tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job)
+    stream.validate(lambda key: key in writer)
+    return stream
+
+
+def model_name(recipe) -> str:
+    """The model's name in a batch file's outputs: its directory's (SmolLM2-135M-Instruct by default)."""
+    from pagedrun.engine.engine import resolve_model_dir
+
+    return resolve_model_dir(recipe.model.path).name
+
+
+def _run_and_write(llm, stream, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
                    quiet: bool, console: Console, stop) -> int:
-    from pagedrun.engine.llm import output_record
+    from pagedrun.metrics import RunTally
+    from pagedrun.run_output import OutputRecords
 
     engine = llm.engine
-    pending, order = open_output(writer, requests, invalid, output=output, quiet=quiet, console=console)
-    if writer.resumed and not pending:
+    records = OutputRecords(stream.batch_job if stream.format == "openai" else None, llm.tokenizer)
+    done = writer.__contains__
+    open_stream_output(writer, stream, records, output=output, quiet=quiet, console=console)
+    if writer.resumed and not stream.num_pending:
         # Nothing left to run: put the file in input order, keep the report of the run that did the work.
-        writer.finalize(order)
+        writer.finalize(stream.order(done))
         if not quiet:
-            console.print(f"nothing to do: all {len(order)} requests are in {output}", highlight=False, soft_wrap=True,
-                          markup=False)
-        return job_exit_code(writer, order, output, console)
+            console.print(f"nothing to do: all {stream.num_lines} requests are in {output}", highlight=False,
+                          soft_wrap=True, markup=False)
+        return job_exit_code(writer, stream.order(done), output, console)
 
-    total = sum(r.sampling.n for r in pending)
     t0 = time.perf_counter()
     counters = {"out_tokens": 0}
     progress = Progress(
@@ -89,46 +122,64 @@ def _run_and_write(llm, requests, invalid, writer, *, recipe, load_s: float, out
         TextColumn("{task.fields[tps]:>7.1f} tok/s"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         console=console, disable=quiet, transient=False,
     )
+    in_flight: dict[str, object] = {}  # request id -> its batch line (OpenAI side), until written
+
+    def pulled():
+        for r in stream.requests(done, on_invalid):
+            in_flight[r.id] = r.batch
+            yield r
+
+    def on_invalid(bad) -> None:  # a line that failed tokenization: its error record now
+        writer.write(records.invalid(bad), stream.key_of_invalid(bad))
+        progress.advance(task, 1)
 
     def on_output(o) -> None:
-        writer.write(output_record(o))
+        writer.write(records.finished(o, in_flight.pop(o.request_id, None)))
         progress.advance(task, max(1, len(o.outputs)))
 
     def on_step(rec) -> None:
         counters["out_tokens"] += rec.num_sampled_tokens
         progress.update(task, tps=counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9))
 
+    tally = RunTally()
     with progress:
-        task = progress.add_task("generate", total=total, tps=0.0)
-        results = llm.run(pending, on_output=on_output, on_step=on_step, should_stop=stop)
+        task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
+        llm.run(pulled(), on_output=on_output, on_step=on_step, should_stop=stop,
+                window=request_window(recipe), tally=tally)
     wall = time.perf_counter() - t0
-    interrupted = stop.stop and any(k not in writer for k in order)  # a late signal interrupts nothing
+    # A late signal interrupts nothing: every line has its record.
+    interrupted = stop.stop and len(writer.done) < stream.num_lines
     if interrupted:
         writer.close()  # every finished request is in the file; the rest are redone on resume
     else:
-        writer.finalize(order)
+        writer.finalize(stream.order(done))
 
     report = None
     if recipe.output.report:
         from pagedrun.report import build_report, write_report
 
-        report = build_report(engine, results, wall_s=wall, load_s=load_s, interrupted=interrupted)
+        report = build_report(engine, tally, wall_s=wall, load_s=load_s, interrupted=interrupted)
         report_file = write_report(report, output)
         if plot is not None:
             from pagedrun.report import plot_blocks
 
             plot_blocks(engine, plot)
     if not quiet:
-        print_summary(console, results, wall, output, report, invalid)
+        print_summary(console, tally, wall, output, report, len(stream.invalid))
         if report is not None:
             console.print(f"report: {report_file}" + (f", plot: {plot}" if plot is not None else ""), highlight=False)
     if interrupted:
-        done = len(writer.done)
-        console.print(f"stopped by {stop.signal_name}: {done} of {len(order)} requests are in {output}; "
-                      "run the same command again (without --overwrite) to resume", style="yellow",
+        console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
+                      f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
-    return job_exit_code(writer, order, output, console)
+    return job_exit_code(writer, stream.order(done), output, console)
+
+
+def request_window(recipe) -> int:
+    """Requests tokenized ahead of the engine, waiting for admission: enough to refill the running batch
+    twice over between steps, few enough that a file of any size costs the same memory."""
+    return 2 * recipe.scheduler.max_num_seqs
 
 
 def print_startup(console: Console, llm, load_s: float) -> None:

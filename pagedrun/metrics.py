@@ -5,6 +5,7 @@ report.py only derives numbers from these records.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict, dataclass, field
 
 
@@ -52,3 +53,43 @@ class RequestTiming:
     first_token: float | None
     finished: float | None
     token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RunTally:
+    """What the summary and the report read of a run's finished requests, added up as they finish, so
+    that a run of any size need not keep its RequestOutputs (latencies as 8-byte doubles)."""
+    num_ok: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0  # of the requests that ran
+    error_prompt_tokens: int = 0  # of those that failed in the engine
+    output_tokens: int = 0
+    ttft_s: array = field(default_factory=lambda: array("d"))
+    itl_s: array = field(default_factory=lambda: array("d"))
+    e2e_s: array = field(default_factory=lambda: array("d"))
+
+    def add(self, o) -> None:
+        """Count one RequestOutput (engine/engine.py)."""
+        if o.error is not None:
+            self.num_errors += 1
+            self.error_prompt_tokens += len(o.prompt_token_ids)
+            return
+        self.num_ok += 1
+        self.prompt_tokens += len(o.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in o.outputs)
+        m = o.metrics
+        if m.get("ttft_s") is not None:
+            self.ttft_s.append(m["ttft_s"])
+        self.itl_s.extend(m.get("itl_s", []))
+        if m.get("e2e_s") is not None:
+            self.e2e_s.append(m["e2e_s"])
+
+    @classmethod
+    def of(cls, results) -> RunTally:
+        """A RunTally as is, or the tally of a list of RequestOutputs."""
+        if isinstance(results, cls):
+            return results
+        tally = cls()
+        for o in results:
+            tally.add(o)
+        return tally

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pagedrun.errors import PagedrunError
 from pagedrun.io.output_files import check_derived, is_report, replace_file, report_path
+from pagedrun.metrics import RunTally
 
 M, D = "measured", "derived"
 
@@ -66,13 +67,11 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
     sin = sum(s.swap_in_blocks for s in steps)
     sout = sum(s.swap_out_blocks for s in steps)
 
-    ok = [r for r in results if r.error is None]
-    out_tokens = sum(len(c.token_ids) for r in ok for c in r.outputs)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in ok)
+    tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
+    out_tokens = tally.output_tokens
+    prompt_tokens = tally.prompt_tokens
     prefill_computed = sum(s.num_prefill_tokens for s in steps)
-    ttft = [r.metrics["ttft_s"] for r in ok if r.metrics.get("ttft_s") is not None]
-    itl = [x for r in ok for x in r.metrics.get("itl_s", [])]
-    e2e = [r.metrics["e2e_s"] for r in ok if r.metrics.get("e2e_s") is not None]
+    ttft, itl, e2e = tally.ttft_s, tally.itl_s, tally.e2e_s
 
     def at_peak(xs: list) -> int | None:
         return xs[peak_step] if peak_step is not None else None
@@ -81,8 +80,8 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         "interrupted": interrupted,
         "cpu_kernels": cpu_kernels_status(engine),
         "num_steps": n,
-        "num_requests": len(results),
-        "num_errors": len(results) - len(ok),
+        "num_requests": tally.num_ok + tally.num_errors,
+        "num_errors": tally.num_errors,
         "memory_plan": m.to_dict(),
         "kv_capacity": {"blocks": m.num_gpu_blocks, "block_size": bs, "tokens": m.token_capacity,
                         "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token},

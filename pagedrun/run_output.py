@@ -39,14 +39,60 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
     return pending, order
 
 
+def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
+    """open_output for a streamed run (io/request_stream.py): pass 1's error records are written now,
+    the requests are pulled as the engine runs."""
+    writer.open()
+    if writer.discarded and not quiet:
+        console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
+                      "their requests will be redone", highlight=False, soft_wrap=True, markup=False)
+    for bad in stream.invalid:
+        key = stream.key_of_invalid(bad)
+        if key not in writer:
+            writer.write(records.invalid(bad), key)
+    if writer.resumed and not quiet:
+        console.print(f"resuming {output}: {writer.resumed} requests already done, {stream.num_pending} to go",
+                      highlight=False, soft_wrap=True, markup=False)
+
+
+class OutputRecords:
+    """The output lines of a run in its input's format: pagedrun's JSONL records, or, for an OpenAI
+    batch file (`job` given), the Batch API's output lines (io/openai_output.py)."""
+
+    def __init__(self, job, tokenizer) -> None:
+        self.job, self.tokenizer = job, tokenizer
+
+    def invalid(self, bad) -> dict:
+        from pagedrun.engine.llm import invalid_record
+
+        if self.job is None:
+            rec = invalid_record(bad)
+            return {"id": rec["id"], "line": bad.line, **rec}
+        from pagedrun.io.openai_output import error_line
+
+        return error_line(bad.id, bad.custom_id, bad.code, bad.error)
+
+    def finished(self, o, batch) -> dict:
+        from pagedrun.engine.llm import output_record
+
+        if self.job is None or batch is None:
+            return output_record(o)
+        from pagedrun.io.openai_output import output_line
+
+        return output_line(o, batch, self.job, self.tokenizer)
+
+
 def job_exit_code(writer, order, output: Path, console: Console) -> int:
     """0 when every request of the job has an output, else 3 (some failed) or 4 (all failed), saying
     how many, even with --quiet. Counts the output file, so a resumed job counts its earlier runs."""
-    failed = sum(1 for k in order if "error" in writer.done.get(k, {}))
+    total = failed = 0
+    for k in order:  # may be a generator (io/request_stream.py): read once
+        total += 1
+        failed += k in writer.failed
     if not failed:
         return EXIT_OK
-    code = EXIT_ALL_FAILED if failed == len(order) else EXIT_SOME_FAILED
-    console.print(f"{failed} of {len(order)} requests failed (their error records are in {output}); exit code {code}",
+    code = EXIT_ALL_FAILED if failed == total else EXIT_SOME_FAILED
+    console.print(f"{failed} of {total} requests failed (their error records are in {output}); exit code {code}",
                   style="yellow", highlight=False, soft_wrap=True, markup=False)
     return code
 
@@ -54,10 +100,13 @@ def job_exit_code(writer, order, output: Path, console: Console) -> int:
 def print_summary(console: Console, results, wall: float, output: Path, report, invalid) -> None:
     from rich.table import Table
 
-    n_ok = sum(1 for r in results if r.error is None)
-    n_err = sum(1 for r in results if r.error is not None) + len(invalid)
-    out_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
+    from pagedrun.metrics import RunTally
+
+    tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
+    n_ok = tally.num_ok
+    n_err = tally.num_errors + (invalid if isinstance(invalid, int) else len(invalid))
+    out_tokens = tally.output_tokens
+    prompt_tokens = tally.prompt_tokens + tally.error_prompt_tokens
     t = Table(title="pagedrun generate", show_header=False, box=None)
     t.add_column(no_wrap=True)
     # Values wrap at their spaces; a word longer than the column (a long path) folds, never cut to "…".

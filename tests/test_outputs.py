@@ -227,3 +227,19 @@ def test_an_exit_requested_mid_line_waits_for_the_whole_line(tmp_path, monkeypat
     assert events == ["write", "write", "exit 130"]
     assert lines(out) == [rec(6)]
     w.close()
+
+
+def test_the_writer_keeps_offsets_not_records_and_finalizes_from_a_generator(tmp_path):
+    out = tmp_path / "out.jsonl"
+    w = opened(out)
+    for i in (3, 1, 0, 2):
+        w.write(rec(i))
+    w.write({"id": "x", "line": 9, "error": "p.jsonl:9: bad"}, invalid_key(9))
+    assert all(isinstance(v, int) for v in w.done.values())  # where each line is, not the line
+    assert w.failed == {invalid_key(9)}
+    w.finalize(request_key(f"r{i}") for i in range(4))  # read once; the key it does not name goes last
+    assert [r["id"] for r in lines(out)] == ["r0", "r1", "r2", "r3", "x"]
+    assert lines(out)[:4] == [rec(i) for i in range(4)]
+    w.close()
+    w2 = OutputWriter(out, FP)  # the index of a resumed file points into it too
+    assert w2.failed == {invalid_key(9)} and len(w2.done) == 5

@@ -265,3 +265,26 @@ def test_a_model_without_tokenizer_refuses_constraints(tmp_path):
     p.write_text(json.dumps({"prompt_token_ids": [5, 6], "structured_outputs": {"choice": ["a"]}}) + "\n")
     with pytest.raises(PagedrunError, match=r"^prompts.jsonl:1: structured_outputs: needs the model's tokenizer"):
         llm.read_requests(p)
+
+
+@needs_engine
+def test_openai_batch_response_format_becomes_a_constraint(tiny, tmp_path):
+    from pagedrun.io.openai_batch import BatchJob
+    from pagedrun.io.requests import read_requests
+
+    def line(cid, fmt):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": fmt}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    lines = [line("s", {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
+             line("o", {"type": "json_object"}), line("t", {"type": "text"}),
+             line("bad", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}})]
+    p = tmp_path / "batch.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    tok = make_llm(tiny).tokenizer
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    requests, invalid = read_requests(p, tok, SamplingParams(), vocab_size=640, max_model_len=128, batch_job=job)
+    assert [r.sampling.structured_outputs for r in requests] == [{"json": schema}, {"json_object": True}, None]
+    assert [b.custom_id for b in invalid] == ["bad"]
+    assert invalid[0].error.startswith("batch.jsonl:4: body.response_format: the grammar engine cannot compile")

@@ -110,3 +110,29 @@ def write_token_prompts(path: Path, n: int, *, id_prefix: str, max_tokens: int, 
             f.write(json.dumps({"id": f"{id_prefix}{i}", "prompt_token_ids": ids, "max_tokens": max_tokens,
                                 "ignore_eos": True}) + "\n")
     return path
+
+
+WORD_TOKENIZER_SPECIALS = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+WORD_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def add_word_tokenizer(path: Path, words: list[str], vocab_size: int = 640) -> Path:
+    """Give the model at `path` a word-level tokenizer (ids: the specials, `words`, then w<i> up to
+    vocab_size) with a ChatML-like chat template: text prompts and chat messages for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = [*WORD_TOKENIZER_SPECIALS, "user", "assistant", "system", *words]
+    vocab += [f"w{i}" for i in range(vocab_size - len(vocab))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(WORD_TOKENIZER_SPECIALS[1:])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+    fast.chat_template = WORD_CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return Path(path)

@@ -10,14 +10,15 @@ finished requests to a callback as they finish (so the CLI can write them at onc
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pagedrun.engine.engine import LLMEngine, RequestOutput
 from pagedrun.errors import PagedrunError
-from pagedrun.io.requests import InvalidRequest, Request, _build_request, _LineError, read_requests
-from pagedrun.metrics import StepRecord
+from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
+from pagedrun.metrics import RunTally, StepRecord
 from pagedrun.recipe import Recipe, load_recipe
 from pagedrun.sampling_params import SamplingParams
 
@@ -42,39 +43,65 @@ class LLM:
     def make_requests(self, prompts: Sequence[Any], sampling_params: SamplingParams | None = None) -> list[Request]:
         """Prompts as str, token-id lists, request dicts (the JSONL schema) or Requests."""
         defaults = sampling_params or self.recipe.sampling
+        checker = LineChecker("prompts", defaults, vocab_size=self.engine.model_config.vocab_size,
+                              tokenizer=self.tokenizer, unique_ids=False)  # a caller's ids are its own business
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, Request):
                 out.append(p)
                 continue
             obj = {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else dict(p)
-            rid = str(obj.get("id", i))
+            obj.setdefault("id", i)
             try:
-                req = _build_request(obj, rid, i + 1, "prompts", self.tokenizer, defaults,
-                                     self.engine.model_config.vocab_size, self.engine.max_model_len)
-            except _LineError as e:  # _TooLong included: a Python caller gets an exception, not a record
-                raise PagedrunError(f"prompts[{i}]: {e.field}: {e.message}") from None
+                spec = checker.check(json.dumps(obj).encode(), i + 1)
+                req = checker.tokenize(spec, self.engine.max_model_len)
+            except LineFailure as e:  # too long included: a Python caller gets an exception, not a record
+                raise PagedrunError(f"prompts[{i}]: {e.bad.error.removeprefix(f'prompts:{i + 1}: ')}") from None
             out.append(req)
         return out
 
     # ---- running ------------------------------------------------------------------------------
-    def run(self, requests: Sequence[Request], on_output: Callable[[RequestOutput], None] | None = None,
+    def run(self, requests: Iterable[Request], on_output: Callable[[RequestOutput], None] | None = None,
             on_step: Callable[[StepRecord], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
+            should_stop: Callable[[], bool] | None = None, window: int | None = None,
+            tally: RunTally | None = None) -> list[RequestOutput]:
         """Run requests to completion; returns the finished ones in input order. should_stop is asked
-        before every step; True ends the run after the step in progress (used for SIGINT/SIGTERM)."""
+        before every step; True ends the run after the step in progress (used for SIGINT/SIGTERM).
+
+        `requests` may be an iterator that tokenizes as it goes (io/request_stream.py): with `window`
+        it is pulled only while fewer than `window` requests wait for admission, so the requests
+        tokenized ahead of the engine stay within window + the running batch. With `tally` the
+        finished requests are counted there and not kept (the returned list is empty): memory does
+        not grow with the number of requests."""
         engine = self.engine
-        for i, req in enumerate(requests):
-            engine.add_request(req.id, i, req.prompt_token_ids, req.sampling)
+        pending = iter(requests)
+        more, index = True, 0
+
+        def feed() -> None:
+            nonlocal more, index
+            while more and (window is None or len(engine.scheduler.waiting) < window):
+                req = next(pending, None)
+                if req is None:
+                    more = False
+                    return
+                engine.add_request(req.id, index, req.prompt_token_ids, req.sampling)
+                index += 1
+
         results: list[RequestOutput] = []
-        while engine.has_unfinished():
+        while True:
+            feed()
+            if not engine.has_unfinished():
+                break
             if should_stop is not None and should_stop():
                 # Unfinished requests are dropped, not written: a resume redoes them from scratch.
                 engine.scheduler.abort_all()
                 break
             finished = engine.step()
             for o in finished:
-                results.append(o)
+                if tally is not None:
+                    tally.add(o)
+                else:
+                    results.append(o)
                 if on_output is not None:
                     on_output(o)
             if on_step is not None and engine.steps:

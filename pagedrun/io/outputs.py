@@ -15,6 +15,10 @@ On a re-run every complete line that parses is kept and its request skipped. Wha
 behind (a torn last line without its newline, a line that does not parse, a second line for the
 same request) is dropped, the file is rewritten without it, and those requests are redone.
 
+The writer holds no records, only where each one is in the file ((offset, length) packed in one int)
+and which failed: the final rewrite copies lines in input order from there, so a run of any size
+needs memory for its keys, not its outputs. The previous run's file is read line by line.
+
 Records are keyed, not just by id: a request that ran is keyed by its id (unique among the requests
 that run), an error record for an input line that could not run by its line number, which it
 carries as "line". With --skip-invalid a duplicate-id line becomes an error record with the same
@@ -48,7 +52,8 @@ def invalid_key(line: int) -> Key:
 
 
 def record_key(rec: object) -> Key | None:
-    """The key of one output line, or None if it is not an output record."""
+    """The key of one output line, or None if it is not an output record. An OpenAI batch file's
+    output line is keyed by its id, which is derived from the line (io/openai_batch.py)."""
     if not isinstance(rec, dict) or "id" not in rec:
         return None
     if "error" in rec and "line" in rec:
@@ -74,11 +79,13 @@ class OutputWriter:
         self.fingerprint = dict(fingerprint)
         self.overwrite = overwrite
         self.fsync_interval_s = fsync_interval_s
-        self.done: dict[Key, dict] = {}  # from a previous run and this one, in file order
+        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: offset << 32 | length
+        self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
         self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
         self._needs_rewrite = False
         self._fd: int | None = None
+        self._size = 0  # of the file being appended to: the next record's offset
         self._last_fsync = time.monotonic()
         inputs = tuple(Path(p) for p in inputs if p is not None)
         check_output(self.path, inputs)
@@ -127,26 +134,35 @@ class OutputWriter:
                 "pass --overwrite to start afresh, or choose another -o"
             )
         try:
-            data = self.path.read_bytes()
+            f = self.path.open("rb")
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot read: {e.strerror}") from None
-        lines = data.split(b"\n")
-        torn = lines.pop()  # after the last newline: empty, or a line the writer died in
-        if torn.strip():
-            self.discarded += 1
-        for raw in lines:
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except ValueError:  # includes bad UTF-8
-                rec = None
-            key = record_key(rec)
-            if key is None or key in self.done:
-                self.discarded += 1
-                continue
-            self.done[key] = rec
-        self._needs_rewrite = self.discarded > 0 or bool(torn)
+        with f:
+            offset = 0
+            for raw in f:
+                start, offset = offset, offset + len(raw)
+                if not raw.endswith(b"\n"):  # a torn last line: the writer died in it
+                    self._needs_rewrite = True
+                    if raw.strip():
+                        self.discarded += 1
+                    break
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except ValueError:  # includes bad UTF-8
+                    rec = None
+                key = record_key(rec)
+                if key is None or key in self.done:
+                    self.discarded += 1
+                    continue
+                self._remember(key, rec, start, len(raw))
+        self._needs_rewrite = self._needs_rewrite or self.discarded > 0
+
+    def _remember(self, key: Key, record: dict, offset: int, length: int) -> None:
+        self.done[key] = offset << 32 | length
+        if record.get("error") is not None:
+            self.failed.add(key)
 
     # ---- writing --------------------------------------------------------------------------------
     def open(self) -> None:
@@ -158,9 +174,10 @@ class OutputWriter:
             if self.overwrite:
                 self.path.unlink(missing_ok=True)
             elif self._needs_rewrite:
-                self._rewrite(self.done.values())
+                self._rewrite(list(self.done))
             self._write_meta()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._size = os.fstat(self._fd).st_size
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
         self._last_fsync = time.monotonic()
@@ -186,7 +203,8 @@ class OutputWriter:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
-            self.done[key] = record
+            self._remember(key, record, self._size, len(line))
+            self._size += len(line)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
@@ -217,30 +235,55 @@ class OutputWriter:
 
     def finalize(self, order: Iterable[Key]) -> None:
         """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last.
-        The lock stays held (the report is written next); close() lets it go."""
+        `order` may be a generator (it is read once). The lock stays held (the report is written
+        next); close() lets it go."""
         self._close_file()
-        pos = {k: i for i, k in enumerate(order)}
-        keys = sorted(self.done, key=lambda k: pos.get(k, len(pos)))
         try:
-            self._rewrite(self.done[k] for k in keys)
+            self._rewrite(order, rest=True)
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
 
-    def _rewrite(self, records: Iterable[dict]) -> None:
+    def _rewrite(self, keys: Iterable[Key], rest: bool = False) -> None:
+        """Copy the records of `keys` (then, with rest=True, every other one in file order) to a new
+        file; the index then points into it (records of neither are dropped)."""
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
         tmp = temp_path(self.path)
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        done = self.done
         try:
-            with os.fdopen(fd, "wb") as f:
-                for rec in records:
-                    f.write(_encode(rec))
-                f.flush()
-                os.fsync(f.fileno())
+            with os.fdopen(fd, "wb") as out, self.path.open("rb") as src:
+                at = 0
+
+                def copy(key: Key, packed: int) -> None:
+                    nonlocal at
+                    src.seek(packed >> 32)
+                    line = src.read(packed & 0xFFFFFFFF)
+                    out.write(line)
+                    # Updated in place (no second index): a copied line's entry is its new place,
+                    # bit-inverted (negative) to mark it copied until the end.
+                    done[key] = ~(at << 32 | len(line))
+                    at += len(line)
+
+                for key in keys:
+                    packed = done.get(key, -1)
+                    if packed >= 0:
+                        copy(key, packed)
+                if rest:
+                    for key, packed in done.items():  # values change, not the keys: iterating is safe
+                        if packed >= 0:
+                            copy(key, packed)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
+        for key in [k for k, packed in done.items() if packed >= 0]:  # not copied: gone from the file
+            del done[key]
+            self.failed.discard(key)
+        for key, packed in done.items():
+            done[key] = ~packed
 
 
 _writes_in_progress = 0
