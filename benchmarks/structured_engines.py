@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from pagedrun.models.default_model import default_model_dir
 
 d = default_model_dir()
-tok = AutoTokenizer.from_pretrained(d)
+tok = AutoTokenizer.from_pretrained(d, trust_remote_code=False, local_files_only=True)
 V = 49152
 SCHEMAS = {
  "basic": {"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":False},
