@@ -1,16 +1,17 @@
 """The cost of structured outputs: the same 64 requests on the default model, unconstrained and
-constrained, in one process (one model load), each run once.
+constrained, in one process (one model load), each run once after a warm-up.
 
     python benchmarks/structured_overhead.py [--threads 2] [--max-tokens 64]
+                                             [--workloads extraction,long] [--constrained-first]
 
 Workloads (64 requests = the 32 prompts of examples/extraction twice, batch 64):
   extraction   their own constraints (the recipe's JSON Schema, per-line choice / JSON): the
                greedy outputs are the unconstrained ones token for token (tests/
                test_structured_default_model.py), so the difference is the grammar's cost alone;
-  regex        the same prompts under {"regex": "[A-Za-z0-9 ,.'-]{400,}"} with ignore_eos, so
-               every sequence decodes max_tokens tokens at batch 64 (the grammar cannot end
-               before 400 characters; most tokens allowed: the
-               densest masks, the costliest to fill).
+  long         the same prompts under {"regex": "[A-Za-z0-9 ,.'-]{400,}"} with ignore_eos (and
+               unconstrained with ignore_eos): every sequence decodes max_tokens tokens at batch
+               64, as the grammar cannot end before 400 characters; most tokens are allowed, the
+               densest masks, the costliest to apply.
 Reported per run: wall and CPU seconds, output tokens per second, the mean time of the steps that
 decoded 64 sequences and nothing else, and the grammar's own work timed where it happens (masks
 filled and applied in the sampler, matchers advanced by the engine): on a shared machine the
