@@ -10,11 +10,13 @@ on which other requests share the batch or in which order they arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedrun.penalties import apply_penalties
 from pagedrun.sampling_params import SamplingParams
+from pagedrun.structured.bitmask import apply_grammar_bitmasks
 
 
 @dataclass
@@ -23,6 +25,7 @@ class SamplingRow:
     generator: torch.Generator | None  # None: the engine-wide generator (unseeded requests)
     # The sequence's token ids (prompt then output) and prompt length, read by the penalties only.
     history: tuple[list[int], int] = ((), 0)
+    grammar: Any = None  # structured/grammar.Grammar of a constrained sequence: masks its logits
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         raw = logits.float()
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
+            apply_grammar_bitmasks(raw, constrained, [rows[i].grammar for i in constrained])
         logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from pagedrun.echo import clip, echo
 from pagedrun.errors import PagedrunError
+from pagedrun.structured.params import SpecError, check_structured_outputs
 
 # vLLM treats temperatures this small as greedy: dividing logits by ~0 overflows to inf/nan.
 _GREEDY_EPS = 1e-5
@@ -29,7 +30,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents none; vLLM none
 _VLLM_UNSUPPORTED = frozenset({
     "best_of", "prompt_logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "truncate_prompt_tokens", "logits_processors", "guided_decoding", "structured_outputs",
+    "truncate_prompt_tokens", "logits_processors", "guided_decoding",
     "allowed_token_ids", "bad_words", "detokenize", "output_kind",
 })
 
@@ -60,6 +61,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: dict | None = None  # {"json": schema} | {"regex": ...} | ... (structured/params.py)
 
     def __post_init__(self) -> None:
         # Constructing directly (from Python) gets the same checks as from_dict.
@@ -230,6 +232,13 @@ def _stop_token_ids(v: Any) -> list[int]:
     return list(v)
 
 
+def _structured_outputs(v: Any) -> dict | None:
+    try:
+        return check_structured_outputs(v)
+    except SpecError as e:
+        raise InvalidValue(str(e)) from None
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "n": int_check(lo=1, cap=MAX_N),
     "max_tokens": int_check(lo=1, cap=_MAX_COUNT),
@@ -248,6 +257,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     # vLLM accepts any value > 0; 1 = off, > 1 discourages repeats, < 1 encourages them.
     "repetition_penalty": float_check("a number > 0 (1 = off)", lambda x: x > 0, cap=100.0),
     "logit_bias": _logit_bias,
+    "structured_outputs": _structured_outputs,
 }
 assert set(_CHECKS) == set(FIELD_NAMES), "every SamplingParams field needs a check"
 

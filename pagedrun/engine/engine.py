@@ -30,6 +30,7 @@ from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe
 from pagedrun.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
+from pagedrun.structured.grammar import StructuredOutputManager
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -122,6 +123,7 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
         self.generators: dict[int, torch.Generator] = {}
+        self.structured: StructuredOutputManager | None = None  # built by the first constrained request
         self.steps: list[StepRecord] = []
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
@@ -143,6 +145,11 @@ class LLMEngine:
         group = SequenceGroup(request_id, index, sampling, [seq], parent=parent, child_index=child_index)
         if sampling.seed is not None:
             self.generators[seq.seq_id] = make_generator(sampling.seed)
+        if sampling.structured_outputs is not None:
+            if self.structured is None:
+                self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids)
+            self.structured.add(seq.seq_id, sampling.structured_outputs)
         self.scheduler.add_group(group)
 
     def has_unfinished(self) -> bool:
@@ -182,9 +189,11 @@ class LLMEngine:
             group = s.group
             fan = group.sampling.n if (group.sampling.n > 1 and not group.forked) else 1
             gens = self._generators(s.seq, group, fan)
+            grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
             for k in range(fan):
                 row_of.append(r)
-                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len)))
+                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len),
+                                        grammar=grammar))
             row_owner.append((s, fan, gens))
             r += 1
         result = None
@@ -212,6 +221,8 @@ class LLMEngine:
                 if lp is not None:
                     seq.logprobs.append(lp)
                 check_stop(seq, group.sampling, self.eos_token_ids, self.max_model_len, self.tokenizer)
+                if self.structured is not None:
+                    self.structured.after_token(seq)
                 if seq.is_finished:
                     self.scheduler.free_seq(seq)
             if group.first_token_time is None:
@@ -244,6 +255,8 @@ class LLMEngine:
                              num_computed_tokens=parent.num_computed_tokens)
             if g is not None:
                 self.generators[child.seq_id] = g
+            if self.structured is not None:  # before the parent accepts its token: each child its own
+                self.structured.fork(parent.seq_id, child.seq_id)
             children.append(child)
         self.scheduler.fork(group, children)
         return children
@@ -263,8 +276,7 @@ class LLMEngine:
     # ---- outputs --------------------------------------------------------------------------------
     def _request_output(self, g: SequenceGroup) -> RequestOutput | None:
         """The finished request's output; None for a fanned-out child whose siblings still run."""
-        for s in g.seqs:
-            self.generators.pop(s.seq_id, None)
+        self._release(g)
         groups = [g]
         if g.parent is not None:
             groups = g.parent.child_done(g)
@@ -295,11 +307,16 @@ class LLMEngine:
 
     def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
         """An error record for a request that cannot run (None while a fanned-out one has children left)."""
-        for s in g.seqs:
-            self.generators.pop(s.seq_id, None)
+        self._release(g)
         if g.parent is not None and g.parent.child_done(g, reason) is None:
             return None
         return self._error(g, g.parent.error if g.parent is not None else reason)
+
+    def _release(self, g: SequenceGroup) -> None:
+        for s in g.seqs:
+            self.generators.pop(s.seq_id, None)
+            if self.structured is not None:
+                self.structured.free(s.seq_id)
 
     @staticmethod
     def _error(g: SequenceGroup, reason: str) -> RequestOutput:

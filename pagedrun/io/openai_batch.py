@@ -211,8 +211,6 @@ def _response_format(fmt: Any, overrides: dict) -> None:
     structured = response_format_fields(fmt)
     if structured is None:
         return
-    if "structured_outputs" not in FIELD_NAMES:
-        raise BatchLineError("body.response_format", "needs structured outputs, not supported yet")
     overrides["structured_outputs"] = _checked("body.response_format", "structured_outputs", structured)
 
 

@@ -33,6 +33,7 @@ from pagedrun.io import openai_batch
 from pagedrun.io.openai_batch import BatchJob, BatchLine, BatchLineError
 from pagedrun.io.tokenize import LineError, TooLong, check_vocab, need_tokenizer, token_ids
 from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged
+from pagedrun.structured.grammar import compile_spec, llguidance_module
 
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _KNOWN_KEYS = ("id", *_PROMPT_KEYS, *FIELD_NAMES)
@@ -72,6 +73,11 @@ class LineSpec:
     sampling: SamplingParams
     batch: BatchLine | None = None
     model: str | None = None  # a batch line's body.model
+
+
+class Unrunnable(LineError):
+    """This request's own problem found after the file was checked (a constraint the grammar engine
+    refuses): an error record even without skip_invalid, as a prompt over max_model_len."""
 
 
 class LineFailure(Exception):
@@ -124,6 +130,10 @@ class LineChecker:
         self.first_line_of_id: dict[str, int] = {}
         self.other_models: dict[str, int] = {}  # a batch body's model other than the recipe's -> first line
         self._merged: dict[Any, SamplingParams] = {}  # overrides (a tuple or JSON) -> their checked params
+        if defaults.structured_outputs is not None:  # the recipe's constraint: every line's problem
+            problem = compile_spec(defaults.structured_outputs)[1]
+            if problem is not None:
+                raise PagedrunError(f"sampling.structured_outputs: {problem}")
 
     def check(self, raw: bytes, lineno: int) -> LineSpec:
         """The checked line; raises LineFailure."""
@@ -167,6 +177,12 @@ class LineChecker:
     def tokenize(self, spec: LineSpec, max_model_len: int) -> Request:
         """The line's Request; raises LineFailure (too_long=True for a prompt over max_model_len)."""
         try:
+            if spec.sampling.structured_outputs is not None:
+                # Compiled now (once per distinct constraint): a schema the engine refuses is this
+                # line's error record, not a failure mid-run.
+                problem = compile_spec(spec.sampling.structured_outputs)[1]
+                if problem is not None:
+                    raise Unrunnable(_structured_field(spec.batch is not None), problem)
             if spec.kind == "prompt_token_ids":
                 ids = spec.value
             else:
@@ -178,11 +194,11 @@ class LineChecker:
                 raise TooLong(spec.kind, f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}"
                                          f" (a prompt may have at most {max_model_len - 1})")
         except LineError as e:
-            field = _batch_field(spec.kind) if spec.batch is not None else spec.kind
+            field = e.field if isinstance(e, Unrunnable) else _batch_field(spec.kind) if spec.batch else spec.kind
             bad = InvalidRequest(id=spec.id, line=spec.line, error=f"{self.name}:{spec.line}: {field}: {e.message}",
                                  code="context_length_exceeded" if isinstance(e, TooLong) else "invalid_request",
                                  custom_id=spec.batch.custom_id if spec.batch is not None else None)
-            raise LineFailure(bad, too_long=isinstance(e, TooLong)) from None
+            raise LineFailure(bad, too_long=isinstance(e, (TooLong, Unrunnable))) from None
         return Request(id=spec.id, line=spec.line, prompt_token_ids=list(ids), sampling=spec.sampling,
                        prompt=spec.value if spec.kind == "prompt" else None,
                        messages=spec.value if spec.kind == "messages" else None, batch=spec.batch)
@@ -199,7 +215,7 @@ class LineChecker:
             raise LineError(", ".join(given), 'give only one of "prompt", "messages", "prompt_token_ids"')
         kind = given[0]
         overrides = {k: v for k, v in obj.items() if k in FIELD_NAMES}
-        sampling = self._sampling(overrides, lineno)
+        sampling = self._sampling(overrides, lineno, "structured_outputs")
         value = obj[kind]
         if kind == "prompt_token_ids":
             value = _check_token_ids(value, self.vocab_size)
@@ -215,7 +231,7 @@ class LineChecker:
 
     def _check_batch(self, obj: dict[str, Any], lineno: int) -> LineSpec:
         req = openai_batch.parse_batch_line(obj)
-        sampling = self._sampling(req.overrides, lineno)
+        sampling = self._sampling(req.overrides, lineno, "body.response_format")
         value = req.value
         if req.kind == "prompt_token_ids":
             try:
@@ -233,7 +249,7 @@ class LineChecker:
         return LineSpec(self.batch_job.line_id(req.batch.custom_id), lineno, req.kind, value, sampling,
                         batch=req.batch, model=req.model)
 
-    def _sampling(self, overrides: dict[str, Any], lineno: int) -> SamplingParams:
+    def _sampling(self, overrides: dict[str, Any], lineno: int, structured_field: str) -> SamplingParams:
         # Building SamplingParams is most of a line's check (~0.1 ms): lines of a large file mostly
         # repeat a few sets of overrides, which share one (nothing mutates a request's params).
         key: Any = None
@@ -257,6 +273,14 @@ class LineChecker:
         for t in sampling.logit_bias:
             if t >= self.vocab_size:
                 raise LineError("logit_bias", f"token id {t} is outside [0, {self.vocab_size})")
+        if sampling.structured_outputs is not None:  # the file's problems, before the model loads
+            if self.tokenizer is None:
+                raise LineError(structured_field, "needs the model's tokenizer (grammars are matched on "
+                                                  "text); this model has none")
+            try:
+                llguidance_module()
+            except PagedrunError as e:  # the command that installs the grammar engine
+                raise LineError(structured_field, str(e)) from None
         return sampling
 
     def _check_tokenizer(self, kind: str) -> None:
@@ -269,6 +293,10 @@ class LineChecker:
 
 _LINE_NAMES = {JSONL: "a pagedrun JSONL line", OPENAI: "an OpenAI batch line"}
 _FILE_NAMES = {JSONL: "a pagedrun JSONL file", OPENAI: "an OpenAI batch file"}
+
+
+def _structured_field(batch: bool) -> str:
+    return "body.response_format" if batch else "structured_outputs"
 
 
 def _batch_field(kind: str) -> str:

@@ -1,0 +1,184 @@
+"""Constraints -> grammars -> one matcher per sequence, through llguidance (an optional extra).
+
+Why llguidance rather than xgrammar (vLLM offers both; measured here, docs/benchmarks.md
+"Structured outputs"): llguidance is one 3.1 MB wheel with no dependencies, where xgrammar's
+metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it compiled our
+schema set in 0.1-3 ms each against xgrammar's 0.4-34 ms; it refuses the JSON Schema keywords it
+cannot enforce (not, if/then, uniqueItems, dependentRequired) with an error naming them, where
+xgrammar compiled `not` and did not enforce it. Filling 64 masks cost the same in both (about
+1 ms per step). Its view of the tokenizer knows the model's special tokens, so `<|im_start|>` and
+friends never appear inside constrained text (xgrammar's view of SmolLM2 lists none, FACTS.md).
+
+The matcher of a sequence follows the sequence's output tokens: `Grammar.sync` compares the count
+it has accepted with the sequence's and rolls back or feeds the difference, so whatever the
+scheduler did (recompute, swap) no token is ever accepted twice or skipped.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedrun.errors import PagedrunError
+from pagedrun.structured.params import kind_of
+
+INSTALL_HINT = 'pip install -e ".[structured]"  (or: pip install "llguidance>=1.0,<2")'
+_MAX_CACHED = 4096  # distinct constraints remembered; a batch has a handful, a hostile file many
+
+
+def llguidance_module():
+    """The llguidance module, or a one-line error with the install command."""
+    try:
+        import llguidance
+    except ImportError:
+        raise PagedrunError(f"structured outputs need the grammar engine llguidance: {INSTALL_HINT}") from None
+    return llguidance
+
+
+def spec_key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+_compiled: dict[str, tuple[str | None, str | None]] = {}  # spec key -> (llguidance grammar, error)
+
+
+def compile_spec(spec: dict) -> tuple[str | None, str | None]:
+    """(the llguidance grammar text, None) or (None, why the engine refuses it), cached.
+
+    Needs no tokenizer: a schema's problems are found when the request is read, naming its line."""
+    key = spec_key(spec)
+    hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    llg = llguidance_module()
+    from llguidance import LLMatcher
+
+    flexible = not spec.get("disable_any_whitespace", False)
+    kind = kind_of(spec)
+    try:
+        if kind in ("json", "json_object"):
+            schema = spec["json"] if kind == "json" else {"type": "object"}
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": flexible})
+        elif kind == "regex":
+            # \d and \w are ASCII, as in JSON Schema patterns (Rust's Unicode \d allows digits like 🯸).
+            grammar = LLMatcher.grammar_from_lark("start: /" + llg.regex_to_lark(spec["regex"], "dw") + "/")
+        elif kind == "choice":
+            # A Lark alternation of JSON-quoted literals (JSON string escapes are Lark's).
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec["choice"]))
+        else:
+            from llguidance import grammar_from
+
+            grammar = grammar_from("grammar", spec["grammar"])  # Lark, or GBNF/EBNF converted to Lark
+        error = LLMatcher.validate_grammar(grammar) or None
+    except Exception as e:  # llguidance raises ValueError / RuntimeError with the reason
+        grammar, error = None, " ".join(str(e).split()) or type(e).__name__
+    if error is not None:
+        grammar, error = None, f"the grammar engine cannot compile this {kind}: {_short(error)}"
+    if len(_compiled) >= _MAX_CACHED:
+        _compiled.clear()
+    _compiled[key] = (grammar, error)
+    return grammar, error
+
+
+def _short(msg: str) -> str:
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+class Grammar:
+    """One sequence's matcher and how many of its output tokens it has accepted."""
+
+    __slots__ = ("matcher", "num_accepted")
+
+    def __init__(self, matcher: Any, num_accepted: int = 0):
+        self.matcher = matcher
+        self.num_accepted = num_accepted
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            # The mask allowed only tokens the matcher accepts: reaching this is a bug, not bad input.
+            raise RuntimeError(f"grammar rejected token {token_id}: {self.matcher.get_error()}")
+        self.num_accepted += 1
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Bring the matcher to exactly the sequence's output tokens (rollback or feed the gap)."""
+        n = len(output_token_ids)
+        if self.num_accepted > n:
+            self.matcher.rollback(self.num_accepted - n)
+            self.num_accepted = n
+        while self.num_accepted < n:
+            self.accept(output_token_ids[self.num_accepted])
+
+    def fork(self) -> Grammar:
+        return Grammar(self.matcher.deep_copy(), self.num_accepted)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+        return self.matcher.is_stopped()
+
+
+class StructuredOutputManager:
+    """The engine's grammars, keyed by sequence id (the scheduler never sees them)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]):
+        llguidance_module()
+        import llguidance.hf
+
+        if tokenizer is None:
+            raise PagedrunError("structured outputs need the model's tokenizer; this model has none")
+        # ~0.3 s for a 49k vocabulary: built once, on the first constrained request.
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                         eos_token=sorted(eos_token_ids))
+        self.eos_token_ids = set(eos_token_ids)
+        self.grammars: dict[int, Grammar] = {}
+        self._initial: dict[str, Any] = {}  # spec key -> a fresh matcher, deep-copied per sequence
+
+    def add(self, seq_id: int, spec: dict) -> None:
+        from llguidance import LLMatcher
+
+        key = spec_key(spec)
+        initial = self._initial.get(key)
+        if initial is None:
+            text, error = compile_spec(spec)
+            if error is not None:
+                raise PagedrunError(f"structured_outputs: {error}")
+            initial = LLMatcher(self.ll_tokenizer, text, log_level=0)
+            if initial.is_error():
+                raise PagedrunError(f"structured_outputs: the grammar engine cannot compile this "
+                                    f"{kind_of(spec)}: {_short(initial.get_error())}")
+            if len(self._initial) >= _MAX_CACHED:
+                self._initial.clear()
+            self._initial[key] = initial
+        self.grammars[seq_id] = Grammar(initial.deep_copy())
+
+    def get(self, seq_id: int) -> Grammar | None:
+        return self.grammars.get(seq_id)
+
+    def row_grammar(self, seq: Any) -> Grammar | None:
+        """The grammar that masks this sequence's next token, at exactly its output tokens."""
+        g = self.grammars.get(seq.seq_id)
+        if g is not None and g.num_accepted != seq.num_output_tokens:  # compare first: no list copy
+            g.sync(seq.output_token_ids)
+        return g
+
+    def after_token(self, seq: Any) -> None:
+        """Accept the sequence's new token. Once the grammar is complete only the stop token is
+        allowed; when it is sampled the sequence ends, even under ignore_eos or min_tokens."""
+        g = self.grammars.get(seq.seq_id)
+        if g is None or seq.is_finished:
+            return
+        token = seq.token_ids[-1]
+        if g.is_terminated:  # nothing may follow (the mask allowed only the stop token)
+            seq.finish("stop", None)
+            return
+        g.accept(token)
+        if token in self.eos_token_ids:  # allowed only where the grammar may end: it has ended
+            seq.finish("stop", None)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        g = self.grammars.get(parent_id)
+        if g is not None:
+            self.grammars[child_id] = g.fork()
+
+    def free(self, seq_id: int) -> None:
+        self.grammars.pop(seq_id, None)
