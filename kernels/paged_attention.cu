@@ -182,9 +182,11 @@ __device__ inline void paged_attention_body(
   constexpr int VEC_SIZE = pr_max(16 / (THREAD_GROUP_SIZE * (int)sizeof(cache_t)), 1);
   static_assert(HEAD_SIZE % (THREAD_GROUP_SIZE * VEC_SIZE) == 0, "head_size must split over a group");
   constexpr int NUM_VECS_PER_THREAD = HEAD_SIZE / (THREAD_GROUP_SIZE * VEC_SIZE);
-  // At most 64 key elements per chunk: a 1-byte cache packs 16 per load, and 8 such loads converted
-  // to floats at once held 128+ registers (block 32). Unquantized variants never reach the cap.
-  constexpr int K_CHUNK_MAX = pr_min(8, pr_max(64 / VEC_SIZE, 1));
+  // At most 64 key elements per chunk (32 from a quantized cache, whose conversion needs registers of
+  // its own: sm_80 converts fp8 in software): a 1-byte cache packs 16 per load, and 8 such loads
+  // converted at once held 160+ registers (block 32). Unquantized variants never reach the cap.
+  constexpr int K_CHUNK_ELEMS = KV_DTYPE == KvCacheDtype::kAuto ? 64 : 32;
+  constexpr int K_CHUNK_MAX = pr_min(8, pr_max(K_CHUNK_ELEMS / VEC_SIZE, 1));
   constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 && K_CHUNK_MAX >= 8 ? 8
                           : NUM_VECS_PER_THREAD % 4 == 0 && K_CHUNK_MAX >= 4 ? 4
                           : NUM_VECS_PER_THREAD % 2 == 0 ? 2 : 1;
