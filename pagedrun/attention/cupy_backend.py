@@ -26,6 +26,7 @@ from pagedrun.attention import kernels as K
 from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
+from pagedrun.kv import kv_quant
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 
@@ -111,6 +112,9 @@ class CupyAttentionBackend:
         self._model_dtype = query.dtype
         ker = self.kernels(key_cache, query.dtype)
         device = key_cache.device
+        if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write
+            kv_quant.calibrate_fp8_(k_scale, key, ker.variant.kv_dtype)
+            kv_quant.calibrate_fp8_(v_scale, value, ker.variant.kv_dtype)
         ks, vs = paged_step.scale_tensors(ker.variant, key_cache, k_scale, v_scale)
         with self._stream(device):
             step = paged_step.cached(meta, device, as_cupy, paged_step.prefill_mode(self.prefill, ker.variant), self.name)

@@ -16,6 +16,7 @@ import torch
 from pagedrun.attention import kernels as K
 from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.kv import kv_quant
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -71,6 +72,9 @@ class EmulatedAttentionBackend:
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
         self._model_dtype = query.dtype
         ker = self.kernels(key_cache, query.dtype)
+        if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write
+            kv_quant.calibrate_fp8_(k_scale, key, ker.variant.kv_dtype)
+            kv_quant.calibrate_fp8_(v_scale, value, ker.variant.kv_dtype)
         ks, vs = paged_step.scale_tensors(ker.variant, key_cache, k_scale, v_scale)
         prefill = paged_step.prefill_mode(self.prefill, ker.variant)
         step = paged_step.cached(meta, key_cache.device, as_numpy, prefill, self.name)
