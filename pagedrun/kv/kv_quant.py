@@ -83,7 +83,7 @@ def fp8_scale_from(x: torch.Tensor, fmt: str) -> float:
 
 def calibrate_fp8_(scale: torch.Tensor, x: torch.Tensor, fmt: str) -> None:
     """Set a layer's scale (a host 0-dim tensor) from its first write, if it is still 0 (unset)."""
-    if float(scale) == 0.0:
+    if isinstance(scale, torch.Tensor) and float(scale) == 0.0:  # a float is the caller's fixed scale
         scale.fill_(fp8_scale_from(x, fmt))
 
 
