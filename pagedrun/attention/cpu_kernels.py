@@ -40,7 +40,10 @@ class KVReader:
 
 @functools.lru_cache(maxsize=256)
 def _fp8_lut(fmt: str, scale: float) -> torch.Tensor:
-    return (kv_quant.fp8_table(fmt) * scale).contiguous()
+    """The kernel's fp8 reader: 256 code values x scale, then the F16C path's multiplier and format."""
+    e5m2 = fmt == "fp8_e5m2"
+    tail = torch.tensor([scale if e5m2 else scale * 256.0, 1.0 if e5m2 else 0.0])
+    return torch.cat([kv_quant.fp8_table(fmt) * scale, tail]).contiguous()
 
 
 def kv_reader(kv_cache_dtype: str, k_scale, v_scale) -> KVReader:
