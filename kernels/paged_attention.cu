@@ -3,8 +3,9 @@
 // CUDA-on-CPU emulator (tests). See docs/kernels.md for the thread mapping drawn out.
 //
 //   query        [num_seqs, num_heads, head_size]          (row stride q_stride)
-//   key_cache    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
+//   key_cache    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]   (cache_t: see kv_cache_dtype.cuh)
 //   value_cache  [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
+//   k_scales / v_scales  fp8: [1]; int8: [num_blocks, BLOCK_SIZE, num_kv_heads]; unquantized: unused
 //   block_tables [num_seqs, max_num_blocks_per_seq] int32, seq_lens [num_seqs] int32
 //   out          [num_seqs, num_heads, head_size]
 //
@@ -16,6 +17,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "kv_cache_dtype.cuh"
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define PR_UNROLL _Pragma("unroll")
@@ -42,18 +44,6 @@ namespace pagedrun {
 __host__ __device__ constexpr int pr_max(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int pr_min(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
-
-// ---- scalar conversions (fp32 accumulation everywhere) ----
-__host__ __device__ inline float to_float(float x) { return x; }
-__host__ __device__ inline float to_float(__half x) { return __half2float(x); }
-__host__ __device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __host__ __device__ inline T from_float(float x);
-template <> __host__ __device__ inline float from_float<float>(float x) { return x; }
-template <> __host__ __device__ inline __half from_float<__half>(float x) { return __float2half(x); }
-template <> __host__ __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
 
 // N contiguous elements loaded as one aligned access: alignas(N * sizeof(T)) lets nvcc emit a single
 // 16-byte (or 8/4/2-byte) load; under the emulator it is a plain struct copy.
@@ -114,16 +104,21 @@ __device__ inline float block_sum(float v, float* red_smem, int warp_idx, int la
 // PV phase: the key row is contiguous in this layout, so a lane owns V_VEC_SIZE head elements
 // (one 16-byte load) of one token; a warp covers TOKENS_PER_ITER tokens of a block at once, lanes
 // with the same head slice are folded by xor-shuffles, warps by shared memory.
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+// A quantized cache (KV_DTYPE != kAuto) has 1-byte elements, so the same 16-byte loads carry twice
+// (fp16/bf16) or four times (fp32) the elements; rows are dequantized to float in registers.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
+          KvCacheDtype KV_DTYPE>
 __device__ inline void paged_attention_body(
     float* __restrict__ exp_sums,        // [num_seqs, num_heads, max_num_partitions] (v2 only)
     float* __restrict__ max_logits,      // [num_seqs, num_heads, max_num_partitions] (v2 only)
     scalar_t* __restrict__ out,          // v1: [num_seqs, num_heads, HEAD_SIZE]
     float* __restrict__ tmp_out,         // v2: [num_seqs, num_heads, max_num_partitions, HEAD_SIZE]
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    const scalar_t* __restrict__ q, const kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ k_cache,
+    const kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int max_num_blocks_per_seq, const int q_stride) {
+  using cache_t = kv_cache_t<scalar_t, KV_DTYPE>;
   constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;
   constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
   static_assert(NUM_THREADS % PR_WARP_SIZE == 0, "whole warps only");
@@ -184,10 +179,17 @@ __device__ inline void paged_attention_body(
 
   // ---- QK: one token per thread group ----
   constexpr int THREAD_GROUP_SIZE = pr_max(PR_WARP_SIZE / BLOCK_SIZE, 1);
-  constexpr int VEC_SIZE = pr_max(16 / (THREAD_GROUP_SIZE * (int)sizeof(scalar_t)), 1);
+  constexpr int VEC_SIZE = pr_max(16 / (THREAD_GROUP_SIZE * (int)sizeof(cache_t)), 1);
   static_assert(HEAD_SIZE % (THREAD_GROUP_SIZE * VEC_SIZE) == 0, "head_size must split over a group");
   constexpr int NUM_VECS_PER_THREAD = HEAD_SIZE / (THREAD_GROUP_SIZE * VEC_SIZE);
-  constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 ? 8 : (NUM_VECS_PER_THREAD % 4 == 0 ? 4 : NUM_VECS_PER_THREAD % 2 == 0 ? 2 : 1);
+  // At most 64 key elements per chunk (32 from a quantized cache, whose conversion needs registers of
+  // its own: sm_80 converts fp8 in software): a 1-byte cache packs 16 per load, and 8 such loads
+  // converted at once held 160+ registers (block 32). Unquantized variants never reach the cap.
+  constexpr int K_CHUNK_ELEMS = KV_DTYPE == KvCacheDtype::kAuto ? 64 : 32;
+  constexpr int K_CHUNK_MAX = pr_min(8, pr_max(K_CHUNK_ELEMS / VEC_SIZE, 1));
+  constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 && K_CHUNK_MAX >= 8 ? 8
+                          : NUM_VECS_PER_THREAD % 4 == 0 && K_CHUNK_MAX >= 4 ? 4
+                          : NUM_VECS_PER_THREAD % 2 == 0 ? 2 : 1;
   const int group_in_warp = lane / THREAD_GROUP_SIZE;  // == token offset inside the cache block
   const int thread_group_offset = lane % THREAD_GROUP_SIZE;
   const int* block_table = block_tables + (long long)seq_idx * max_num_blocks_per_seq;
@@ -197,7 +199,7 @@ __device__ inline void paged_attention_body(
     const long long physical_block_number = block_table[block_idx];
     const int physical_block_offset = group_in_warp;
     const int token_idx = block_idx * BLOCK_SIZE + physical_block_offset;
-    const scalar_t* k_ptr = k_cache + physical_block_number * kv_block_stride +
+    const cache_t* k_ptr = k_cache + physical_block_number * kv_block_stride +
                             physical_block_offset * kv_token_stride + kv_head_idx * HEAD_SIZE;
     float qk = 0.f;
     // Chunks of K_CHUNK loads in flight: fully unrolled, a 256-wide row held by one lane (block 32)
@@ -207,10 +209,11 @@ __device__ inline void paged_attention_body(
       PR_UNROLL
       for (int j = j0; j < j0 + K_CHUNK; j++) {
         const int elem = (thread_group_offset + j * THREAD_GROUP_SIZE) * VEC_SIZE;
-        const Packed<scalar_t, VEC_SIZE> kv =
-            *reinterpret_cast<const Packed<scalar_t, VEC_SIZE>*>(k_ptr + elem);
+        const Packed<cache_t, VEC_SIZE> kv = *reinterpret_cast<const Packed<cache_t, VEC_SIZE>*>(k_ptr + elem);
+        float k[VEC_SIZE];
+        kv_to_float<KV_DTYPE>(k, kv.v);
         PR_UNROLL
-        for (int e = 0; e < VEC_SIZE; e++) qk += q_smem[elem + e] * to_float(kv.v[e]);
+        for (int e = 0; e < VEC_SIZE; e++) qk += q_smem[elem + e] * k[e];
       }
     }
     // Fold the group's partial dots; all 32 lanes take part, every lane ends with its group's dot.
@@ -218,7 +221,9 @@ __device__ inline void paged_attention_body(
     for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) {
       qk += __shfl_xor_sync(PR_FULL_MASK, qk, mask);
     }
-    qk *= scale;
+    // The key row's dequantization scale rides on the softmax scale (one multiply per token).
+    qk *= scale * kv_row_scale<KV_DTYPE>(k_scales, physical_block_number * BLOCK_SIZE + physical_block_offset,
+                                         num_kv_heads, kv_head_idx);
     if (thread_group_offset == 0) {
       // Keys past the end may hold anything (even NaN): the select drops them, logit := 0.
       const bool mask = token_idx >= seq_len;
@@ -248,7 +253,7 @@ __device__ inline void paged_attention_body(
   }
 
   // ---- PV: a lane owns V_VEC_SIZE head elements of one token ----
-  constexpr int V_VEC_SIZE = 16 / sizeof(scalar_t);
+  constexpr int V_VEC_SIZE = 16 / sizeof(cache_t);
   constexpr int NUM_V_VECS = HEAD_SIZE / V_VEC_SIZE;
   constexpr int V_LANES_PER_TOKEN = pr_min(next_pow2(NUM_V_VECS), PR_WARP_SIZE);
   constexpr int TOKENS_PER_ITER = PR_WARP_SIZE / V_LANES_PER_TOKEN;
@@ -269,17 +274,22 @@ __device__ inline void paged_attention_body(
       const int token_idx = block_idx * BLOCK_SIZE + t;
       // V rows past seq_len are never read: they count as zero (0 * NaN garbage would not).
       if (token_idx < seq_len) {
-        const float p = logits[token_idx - start_token_idx];
-        const scalar_t* v_ptr = v_cache + physical_block_number * kv_block_stride +
+        // The value row's scale rides on its softmax weight.
+        const float p = logits[token_idx - start_token_idx] *
+                        kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t, num_kv_heads,
+                                               kv_head_idx);
+        const cache_t* v_ptr = v_cache + physical_block_number * kv_block_stride +
                                 t * kv_token_stride + kv_head_idx * HEAD_SIZE;
         PR_UNROLL
         for (int r = 0; r < V_VECS_PER_LANE; r++) {
           const int vec = v_lane + r * V_LANES_PER_TOKEN;
           if (vec < NUM_V_VECS) {
-            const Packed<scalar_t, V_VEC_SIZE> vv =
-                *reinterpret_cast<const Packed<scalar_t, V_VEC_SIZE>*>(v_ptr + vec * V_VEC_SIZE);
+            const Packed<cache_t, V_VEC_SIZE> vv =
+                *reinterpret_cast<const Packed<cache_t, V_VEC_SIZE>*>(v_ptr + vec * V_VEC_SIZE);
+            float v[V_VEC_SIZE];
+            kv_to_float<KV_DTYPE>(v, vv.v);
             PR_UNROLL
-            for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] += p * to_float(vv.v[e]);
+            for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] += p * v[e];
           }
         }
       }
@@ -332,29 +342,35 @@ __device__ inline void paged_attention_body(
 }  // namespace pagedrun
 
 // Dynamic shared memory (bytes): 4 * max(padded tokens of one block/partition, NUM_WARPS * HEAD_SIZE).
-// Grid (num_heads, num_seqs, 1).
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+// Grid (num_heads, num_seqs, 1). KV_DTYPE last and defaulted (vLLM's order), so the unquantized
+// kernels keep their names.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS,
+          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
-    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    scalar_t* __restrict__ out, const scalar_t* __restrict__ q,
+    const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ k_cache,
+    const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int max_num_blocks_per_seq, const int q_stride) {
-  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
-      nullptr, nullptr, out, nullptr, q, k_cache, v_cache, num_kv_heads, scale, block_tables,
-      seq_lens, max_num_blocks_per_seq, q_stride);
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, KV_DTYPE>(
+      nullptr, nullptr, out, nullptr, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
 }
 
 // Grid (num_heads, num_seqs, max_num_partitions); partial results are kept in fp32.
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
+          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
     float* __restrict__ exp_sums, float* __restrict__ max_logits, float* __restrict__ tmp_out,
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    const scalar_t* __restrict__ q, const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ k_cache,
+    const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int max_num_blocks_per_seq, const int q_stride) {
-  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
-      exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables,
-      seq_lens, max_num_blocks_per_seq, q_stride);
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, KV_DTYPE>(
+      exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
 }
 
 // Combine the partitions of one (head, sequence): partition i's output was normalised by its own

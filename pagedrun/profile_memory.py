@@ -17,6 +17,7 @@ from rich.table import Table
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.kv.profiler import rss_bytes
+from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
 from pagedrun.recipe import load_recipe
 from pagedrun.tables import results_console
 
@@ -50,9 +51,13 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
              "dtype": recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
              "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim}
     data = plan_json(engine.memory, recipe, fit, model=model)
+    data["derived"]["kv_cache_dtype"] = engine.kv_spec.name
+    data["kv_dtypes"] = kv_dtype_rows(engine.memory, engine.model_config, engine.dtype, engine.kv_spec.name)
     if engine.device.type == "cpu":
         data["measured"]["rss_after_start_bytes"] = rss_bytes()
-    results_console(console).print(plan_table(data))
+    out = results_console(console)
+    out.print(plan_table(data))
+    out.print(kv_dtype_table(data["kv_dtypes"], engine.memory.kv_budget_bytes, engine.max_model_len, fmt_bytes))
     _write_json(json_path, data)
     return 0
 
@@ -151,8 +156,9 @@ def plan_table(d: dict) -> Table:
         t.add_row("peak in use", b(x["peak_in_use_bytes"]), D, "sum of the four above" if cuda else "sum of the three above")
     t.add_row("KV budget", b(x["kv_budget_bytes"]), D, x["budget_source"])
     md = d["model"]
-    formula = (f"2 x {md['num_layers']} layers x {md['num_kv_heads']} kv heads x {md['head_dim']} x "
-               f"{r['block_size']} tokens x {x['kv_bytes_per_token'] // (2 * md['num_layers'] * md['num_kv_heads'] * md['head_dim'])} B"
+    per_head = x["kv_bytes_per_token"] / (2 * md["num_layers"] * md["num_kv_heads"]) if md else 0
+    formula = (f"2 x {md['num_layers']} layers x {md['num_kv_heads']} kv heads x {per_head:g} B ("
+               f"{x.get('kv_cache_dtype', md['dtype'])}, head {md['head_dim']}) x {r['block_size']} tokens"
                if md else f"{x['kv_bytes_per_token']:,} B/token x {r['block_size']}")
     t.add_row("block bytes", f"{x['block_bytes']:,} B", D, formula)
     how = f"floor(budget / block bytes) = {x['num_blocks_from_budget']:,}"

@@ -108,6 +108,9 @@ def _non_empty_str(v: Any) -> str:
     return v
 
 
+# cache.kv_cache_dtype (pagedrun/kv/kv_quant.py): here, not there, so checking a recipe imports no torch.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+_KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 
@@ -128,6 +131,9 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "swap_space": float_check("a number of GiB >= 0", lambda x: x >= 0, cap=MAX_SWAP_GIB),
         "enable_prefix_caching": bool_check,
         "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
+        "kv_cache_dtype": _choice(KV_CACHE_DTYPES, _KV_DTYPE_ALIASES),
+        "k_scale": optional(float_check("a number > 0 (null: from the first step)", lambda x: x > 0)),
+        "v_scale": optional(float_check("a number > 0 (null: from the first step)", lambda x: x > 0)),
     },
     "scheduler": {
         "max_num_seqs": int_check(lo=1, cap=MAX_NUM_SEQS),

@@ -84,7 +84,8 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         "num_errors": tally.num_errors,
         "memory_plan": m.to_dict(),
         "kv_capacity": {"blocks": m.num_gpu_blocks, "block_size": bs, "tokens": m.token_capacity,
-                        "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token},
+                        "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token,
+                        "kv_cache_dtype": engine.kv_spec.name},
         "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
                           "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
                           "cached_free_peak": max((s.blocks_cached_free for s in steps), default=0)},
@@ -168,6 +169,7 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "kv_capacity.tokens": (D, "blocks x block_size"),
     "kv_capacity.bytes": (D, "blocks x block_bytes"),
     "kv_capacity.bytes_per_token": (D, "block_bytes / block_size"),
+    "kv_capacity.kv_cache_dtype": (D, "cache.kv_cache_dtype resolved: auto = the model's dtype, fp8 = fp8_e4m3"),
     "blocks_in_use.peak": (M, "max over steps of blocks with ref_cnt > 0 after the step"),
     "blocks_in_use.mean": (D, "mean over steps of blocks in use"),
     "blocks_in_use.peak_fraction_of_capacity": (D, "peak / kv_capacity.blocks"),
@@ -268,6 +270,8 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     rows = [
         *([("cpu kernels", report["cpu_kernels"])] if report.get("cpu_kernels") else []),
         ("KV capacity", f"{cap['blocks']:,} blocks x {cap['block_size']} = {cap['tokens']:,} tokens ({_mib(cap['bytes'])})"),
+        *([("KV dtype", f"{cap['kv_cache_dtype']}, {cap['bytes_per_token']:,} B per token")]
+          if cap.get("kv_cache_dtype") else []),
         ("KV blocks in use", f"peak {b['peak']:,} ({_pct(b['peak_fraction_of_capacity'])} of capacity), "
                              f"mean {b['mean']:,.1f}"),
         ("KV utilisation", f"{_pct(u['tokens_stored_over_slots_allocated'])} of allocated slots hold KV "

@@ -157,7 +157,8 @@ def test_launch_grid_folds_past_65535_rows(version):
     assert [g[1] for _, g, _, _ in attn] == [65535, n - 65535]
     assert all(g[0] == 2 for _, g, _, _ in attn)  # heads on x
     # each chunk gets its own rows: out/query/block_tables/seq_lens start at the chunk's first row
-    arg = {"v1": ((0, out), (1, q), (6, bt), (7, lens)), "v2": ((3, q), (8, bt), (9, lens))}[version]
+    # argument positions: (out,) q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale, block_tables, seq_lens
+    arg = {"v1": ((0, out), (1, q), (8, bt), (9, lens)), "v2": ((3, q), (10, bt), (11, lens))}[version]
     second = attn[1][2]
     for i, base in arg:
         assert second[i].__array_interface__["data"][0] == base[65535:].__array_interface__["data"][0]

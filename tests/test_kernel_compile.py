@@ -9,6 +9,9 @@
   compileProgram / getLoweredName / getCUBIN, the calls cupy.RawModule makes), which needs no GPU
   and no CuPy, only the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels (the dev extra): every
   variant, sm_80 and sm_90. NVRTC rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
+- Quantized KV caches (issue 18, 3 KV dtypes x 72 variants): a covering set per KV dtype (every head
+  size and every block size, the model dtype rotating: 10 variants, 34-35 entry points) for both gates
+  and both archs; PAGEDRUN_FULL_KERNEL_GATE=1 compiles all 216 in both.
 Each gate skips with its reason when its compiler is missing; the other tests do not depend on them.
 """
 from __future__ import annotations
@@ -42,6 +45,19 @@ def covering_variants() -> list[K.KernelVariant]:
     return list(dict.fromkeys(out))
 
 
+def quantized_covering(kv: str) -> list[K.KernelVariant]:
+    """Every head size and every block size once for one quantized KV dtype; the model dtype
+    rotates, so each (model dtype, KV dtype) pair and its reshape_and_cache are in the set."""
+    dts = list(K.DTYPES)
+    out = [K.KernelVariant(dts[i % 3], h, K.BLOCK_SIZES[(i + 1) % 3], kv) for i, h in enumerate(K.HEAD_SIZES)]
+    out += [K.KernelVariant(dts[(j + 2) % 3], 128, b, kv) for j, b in enumerate(K.BLOCK_SIZES)]
+    return list(dict.fromkeys(out))
+
+
+def quantized_variants(kv: str) -> list[K.KernelVariant]:
+    return K.all_variants((kv,)) if FULL else quantized_covering(kv)
+
+
 def instantiation_source(names: list[str]) -> str:
     """Taking each kernel's address instantiates it, so nvcc emits exactly these entry points."""
     lines = [f'#include "{K.KERNEL_DIR / K.ATTENTION_SOURCE}"', f'#include "{K.KERNEL_DIR / K.CACHE_OPS_SOURCE}"']
@@ -66,7 +82,8 @@ def demangle(names: list[str]) -> list[str]:
     if not tool:
         return names
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-    return [re.sub(r"^void |\(.*$", "", o) for o in out] if len(out) == len(names) else names
+    # drop the parameter list: the "(" right after the template's ">" ("(pagedrun::KvCacheDtype)1" stays)
+    return [re.sub(r"^void |(?<=>)\(.*$", "", o) for o in out] if len(out) == len(names) else names
 
 
 def parse_ptxas(log: str) -> list[Resource]:
@@ -121,6 +138,8 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     for d in K.DTYPES:
         vs = [v for v in variants if v.dtype == d]
         groups.append(list(dict.fromkeys(n for v in vs for n in v.name_expressions())))
+    for kv in K.QUANTIZED_KV_DTYPES:  # one more nvcc per quantized KV dtype
+        groups.append(list(dict.fromkeys(n for v in quantized_variants(kv) for n in v.name_expressions())))
     rows = parse_ptxas(run_nvcc(arch, groups, tmp_path))
     with capsys.disabled():
         print("\n" + report(arch, rows))
@@ -133,6 +152,8 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     # The default model's shape (fp16, head 64): the hot decode kernel must not spill at all.
     hot = [r for r in rows if "v1_kernel<__half, 64," in r.kernel]
     assert hot and all(r.spill_stores == 0 for r in hot), [r for r in hot if r.spill_stores]
+    quantized = [r for r in rows if re.search(r"KvCacheDtype\)[123]>$", r.kernel)]
+    assert len(quantized) == sum("KvCacheDtype::" in n for g in groups for n in g), "quantized kernels missing"
 
 
 def _nvrtc_or_skip():
@@ -165,6 +186,23 @@ def test_nvrtc_gate(dtype, arch, capsys):
     assert len(set(out.lowered.values())) == len(names)  # no two names resolved to one symbol
     assert out.cubin[:4] == b"\x7fELF", "NVRTC returned no cubin"
     assert "warning" not in out.log.lower(), out.log
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kv", K.QUANTIZED_KV_DTYPES)
+def test_nvrtc_gate_quantized_kv(kv, arch, capsys):
+    """The quantized-cache kernels of one KV dtype (covering set, or all with the full gate) in one
+    NVRTC program: no error, no warning, every name lowered to its own symbol."""
+    includes = _nvrtc_or_skip()
+    names = list(dict.fromkeys(n for v in quantized_variants(kv) for n in v.name_expressions()))
+    try:
+        out = nvrtc.compile_program(K.full_source(), names, arch, includes)
+    except nvrtc.NvrtcError as e:
+        pytest.fail(f"NVRTC rejected the quantized ({kv}) kernels for {arch}: {e}")
+    with capsys.disabled():
+        print(f"\nNVRTC {arch} kv {kv}: {len(names)} entry points, cubin {len(out.cubin):,} bytes")
+    assert set(out.lowered) == set(names) and len(set(out.lowered.values())) == len(names)
+    assert out.cubin[:4] == b"\x7fELF" and "warning" not in out.log.lower(), out.log
 
 
 def test_nvrtc_reports_a_compile_error():

@@ -54,7 +54,7 @@ def test_hand_computed_blocks_utilisation_fragmentation_contiguous(model_dir):
     assert r["num_steps"] == 4
     assert r["kv_capacity"] == {"blocks": 64, "block_size": 8, "tokens": 512,
                                 "bytes": 64 * llm.engine.memory.block_bytes,
-                                "bytes_per_token": llm.engine.memory.block_bytes // 8}
+                                "bytes_per_token": llm.engine.memory.block_bytes // 8, "kv_cache_dtype": "float32"}
     assert r["blocks_in_use"]["peak"] == 5
     assert r["blocks_in_use"]["mean"] == pytest.approx(14 / 4)
     assert r["utilisation"]["tokens_stored_over_slots_allocated"] == pytest.approx(87 / 112)

@@ -149,6 +149,27 @@ def test_profile_memory_table_fits_80_columns_on_cpu_and_cuda():
         assert "peak in use" in text and "KV blocks" in text
 
 
+def test_kv_dtype_table_fits_80_columns_and_scales_with_bytes():
+    import types
+
+    import torch
+
+    from pagedrun.kv.memory import fmt_bytes
+    from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
+
+    plan = _cpu_plan()  # 30 layers x 3 kv heads x 64, bf16: 23,040 B per token
+    cfg = types.SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
+    rows = kv_dtype_rows(plan, cfg, torch.bfloat16, "bfloat16")
+    by = {r["kv_cache_dtype"]: r for r in rows}
+    assert by["bfloat16"]["source"] == "allocated" and by["bfloat16"]["num_blocks"] == plan.num_gpu_blocks
+    assert by["fp8_e4m3"]["bytes_per_token"] == 11_520 and by["int8"]["bytes_per_token"] == 11_520 + 2 * 30 * 3 * 4
+    for r in rows:  # the same budget, capped as the plan was
+        assert r["num_blocks"] <= max(plan.num_gpu_blocks, plan.kv_budget_bytes // (r["bytes_per_token"] * 16))
+    text = assert_readable(kv_dtype_table(rows, plan.kv_budget_bytes, 8192, fmt_bytes),
+                           unbroken=tuple(f"{r['token_capacity']:,}" for r in rows))
+    assert "fp8_e5m2" in text and "allocated" in text
+
+
 def test_profile_memory_table_folds_a_long_path_rather_than_cut_it():
     d = _profile(_cpu_plan(), prompts="/data/" + "x" * 120 + "/prompts.jsonl")
     text = render(plan_table(d))

@@ -72,6 +72,64 @@ template <> inline BF16 from_f32<BF16>(float x) {
 template <> inline F16 from_f32<F16>(float x) { return F16(x); }
 #endif
 
+// ---- how cache rows are read (issue 18): as the query's type, or quantized codes widened to fp32 ----
+// A reader widens one row of hd elements (cache slot `slot`, kv head `h`) into fp32. Plain readers
+// of fp32 caches are never called: the kernel reads those rows in place.
+enum KvKind : int { kKvPlain = 0, kKvFp8 = 1, kKvInt8 = 2 };
+
+template <typename T>
+struct PlainKv {
+  using E = T;
+  static constexpr bool kInPlace = std::is_same<T, float>::value;
+  void widen(const E* src, float* dst, int64_t hd, int64_t, int64_t) const {
+    for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]);
+  }
+};
+
+// fp8 (e4m3fn or e5m2). aux: 256 floats (each code's value times the layer's scale), then the
+// multiplier and the format (0 e4m3fn, 1 e5m2) for the F16C path: an e5m2 code is the top byte of
+// an fp16, and e4m3fn's seven magnitude bits placed at an fp16's bit 7 are an fp16 of its value
+// x 2^-8, subnormals included (its NaN code, S.1111.111, is made an fp16 NaN); vcvtph2ps then
+// widens 8 at a time.
+struct Fp8Kv {
+  using E = uint8_t;
+  static constexpr bool kInPlace = false;
+  const float* aux;
+  void widen(const E* src, float* dst, int64_t hd, int64_t, int64_t) const {
+#if defined(__F16C__)
+    const __m256 mult = _mm256_set1_ps(aux[256]);
+    const bool e5m2 = aux[257] != 0.0f;
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+      __m128i h;
+      if (e5m2) {
+        h = _mm_slli_epi16(b, 8);
+      } else {
+        const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
+        h = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(mag, 7)), nan);  // the NaN code stays NaN
+      }
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), mult));
+    }
+#else
+    for (int64_t d = 0; d < hd; ++d) dst[d] = aux[src[d]];
+#endif
+  }
+};
+
+// int8: code x the row's scale; scales [num_blocks * block_size, num_kv_heads] beside the cache.
+struct Int8Kv {
+  using E = int8_t;
+  static constexpr bool kInPlace = false;
+  const float* scales;
+  int64_t num_kv_heads;
+  void widen(const E* src, float* dst, int64_t hd, int64_t slot, int64_t h) const {
+    const float s = scales[slot * num_kv_heads + h];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = float(src[d]) * s;
+  }
+};
+
 // Lane i of the result = sum of the 8 lanes of a[i] (a fixed order: results are deterministic).
 inline v8f horizontal_sums8(const v8f* a) {
   return pair_sums(pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])),
@@ -333,9 +391,11 @@ struct Scratch {
 };
 
 // Rows of an item: r = ((h - kv0) * ntok + t) * group + g is token tok0 + t, query head h * group + g.
-template <typename T>
-void attend_item(const Item& it, T* out, const T* query, const T* key_cache, const T* value_cache,
-                 const int32_t* block_tables, const Shape& sh, Scratch& sc) {
+template <typename T, typename KV>
+void attend_item(const Item& it, T* out, const T* query, const typename KV::E* key_cache,
+                 const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, Scratch& sc,
+                 const KV& kr, const KV& vr) {
+  using E = typename KV::E;
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
   const int64_t head_rows = it.ntok * group;  // rows per kv head
   const int64_t rows = (it.kv1 - it.kv0) * head_rows;
@@ -361,7 +421,7 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
   std::fill(l, l + rows, 0.0f);
 
   // Bytes of one chunk row this item reads: its heads' slice of a cache row.
-  const int64_t slice_off = it.kv0 * hd, slice_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(T);
+  const int64_t slice_off = it.kv0 * hd, slice_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(E);
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
   for (int64_t p0 = 0; p0 < end;) {
     const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
@@ -370,7 +430,7 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
     // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
     // this one computes, a share per head, so the requests are spread over the chunk's work
     // instead of queueing up at its start (measured 13.6 -> 15.2 GB/s of K/V, 64 decodes).
-    const T *next_k = nullptr, *next_v = nullptr;
+    const E *next_k = nullptr, *next_v = nullptr;
     int64_t next_n = 0;
     if (p0 + n < end) {
       const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
@@ -391,18 +451,18 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
       const int64_t base = row0 + h * hd;
       const float *kp, *vp;
       int64_t kstride;
-      if constexpr (std::is_same<T, float>::value) {
-        kp = key_cache + base;
-        vp = value_cache + base;
+      if constexpr (KV::kInPlace) {
+        kp = reinterpret_cast<const float*>(key_cache) + base;
+        vp = reinterpret_cast<const float*>(value_cache) + base;
         kstride = tok_stride;
       } else {
         float* kb = sc.k.data();
         float* vb = sc.v.data();
-        for (int64_t c = 0; c < n; ++c)
-          for (int64_t d = 0; d < hd; ++d) {
-            kb[c * hd + d] = to_f32(key_cache[base + c * tok_stride + d]);
-            vb[c * hd + d] = to_f32(value_cache[base + c * tok_stride + d]);
-          }
+        const int64_t slot0 = (int64_t)table[blk] * sh.block_size + off;
+        for (int64_t c = 0; c < n; ++c) {
+          kr.widen(key_cache + base + c * tok_stride, kb + c * hd, hd, slot0 + c, h);
+          vr.widen(value_cache + base + c * tok_stride, vb + c * hd, hd, slot0 + c, h);
+        }
         kp = kb;
         vp = vb;
         kstride = hd;
@@ -444,9 +504,10 @@ void attend_item(const Item& it, T* out, const T* query, const T* key_cache, con
       }
 }
 
-template <typename T>
-void run_items(std::vector<Item>& items, T* out, const T* query, const T* key_cache, const T* value_cache,
-               const int32_t* block_tables, const Shape& sh, int64_t max_rows, int num_threads) {
+template <typename T, typename KV>
+void run_items(std::vector<Item>& items, T* out, const T* query, const typename KV::E* key_cache,
+               const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, int64_t max_rows,
+               int num_threads, const KV& kr, const KV& vr) {
   // Longest first, so the last items handed out (dynamic schedule) are the short ones.
   if (num_threads > 1)
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -457,7 +518,7 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const T* key_ca
     sc.reserve(max_rows, sh.head_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i)
-      attend_item<T>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc);
+      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr);
   }
 }
 
@@ -486,10 +547,11 @@ bool table_ok(const int32_t* table, int64_t len, const Shape& sh) {
   return true;
 }
 
-template <typename T>
+template <typename T, typename KV>
 int varlen(void* out_, const void* query_, const void* key_cache_, const void* value_cache_,
            const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
-           const int32_t* context_lens, int64_t num_seqs, int64_t num_tokens, const Shape& sh, int num_threads) {
+           const int32_t* context_lens, int64_t num_seqs, int64_t num_tokens, const Shape& sh, int num_threads,
+           const KV& kr, const KV& vr) {
   T* out = static_cast<T*>(out_);
   const T* query = static_cast<const T*>(query_);
   const int64_t group = sh.num_heads / sh.num_kv_heads;
@@ -509,16 +571,17 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
         items.push_back(Item{i, q0 + j, nt, ctx + j, h, h + 1, nt * (ctx + j + nt)});
     }
   }
-  run_items<T>(items, out, query, static_cast<const T*>(key_cache_), static_cast<const T*>(value_cache_),
-               block_tables, sh, max_rows, num_threads);
+  using E = typename KV::E;
+  run_items<T, KV>(items, out, query, static_cast<const E*>(key_cache_), static_cast<const E*>(value_cache_),
+                   block_tables, sh, max_rows, num_threads, kr, vr);
   zero_rows<T>(out, query_start_loc[num_seqs], num_tokens, sh);
   return 0;
 }
 
-template <typename T>
+template <typename T, typename KV>
 int decode(void* out_, const void* query_, const void* key_cache_, const void* value_cache_,
            const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, const Shape& sh,
-           int num_threads) {
+           int num_threads, const KV& kr, const KV& vr) {
   std::vector<Item> items;
   items.reserve(num_seqs * sh.num_kv_heads);
   // Whole-row items unless there are too few sequences to keep every thread busy.
@@ -530,10 +593,44 @@ int decode(void* out_, const void* query_, const void* key_cache_, const void* v
     for (int64_t h = 0; h < sh.num_kv_heads; h += heads_per_item)
       items.push_back(Item{i, i, 1, len - 1, h, h + heads_per_item, len * heads_per_item});
   }
-  run_items<T>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const T*>(key_cache_),
-               static_cast<const T*>(value_cache_), block_tables, sh, heads_per_item * (sh.num_heads / sh.num_kv_heads),
-               num_threads);
+  using E = typename KV::E;
+  run_items<T, KV>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const E*>(key_cache_),
+                   static_cast<const E*>(value_cache_), block_tables, sh,
+                   heads_per_item * (sh.num_heads / sh.num_kv_heads), num_threads, kr, vr);
   return 0;
+}
+
+// Calls f(tag, key reader, value reader) for the query dtype (tag: a null T*) and the cache's
+// reader: plain (the query's type), fp8 through its tables, or int8 with its row scales.
+template <typename T, typename F>
+int with_reader(int kv_kind, const float* k_aux, const float* v_aux, int64_t num_kv_heads, F&& f) {
+  T* tag = nullptr;
+  switch (kv_kind) {
+    case kKvPlain:
+      return f(tag, PlainKv<T>{}, PlainKv<T>{});
+    case kKvFp8:
+      return k_aux && v_aux ? f(tag, Fp8Kv{k_aux}, Fp8Kv{v_aux}) : -9;
+    case kKvInt8:
+      return k_aux && v_aux ? f(tag, Int8Kv{k_aux, num_kv_heads}, Int8Kv{v_aux, num_kv_heads}) : -9;
+    default:
+      return -9;
+  }
+}
+
+template <typename F>
+int dispatch(int dtype, int kv_kind, const float* k_aux, const float* v_aux, int64_t num_kv_heads, F&& f) {
+  switch (dtype) {
+    case kFloat32:
+      return with_reader<float>(kv_kind, k_aux, v_aux, num_kv_heads, f);
+    case kBFloat16:
+      return with_reader<BF16>(kv_kind, k_aux, v_aux, num_kv_heads, f);
+#if PR_HAVE_F16
+    case kFloat16:
+      return with_reader<F16>(kv_kind, k_aux, v_aux, num_kv_heads, f);
+#endif
+    default:
+      return -8;
+  }
 }
 
 }  // namespace
@@ -547,26 +644,17 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
                                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_size, int64_t block_size, int64_t num_blocks,
                                      int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale,
-                                     int dtype, int num_threads) {
+                                     int dtype, int num_threads, int kv_kind, const float* k_aux,
+                                     const float* v_aux) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0 || num_tokens < 0) return -6;
   num_threads = std::max(1, num_threads);
-  switch (dtype) {
-    case kFloat32:
-      return varlen<float>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                           context_lens, num_seqs, num_tokens, sh, num_threads);
-    case kBFloat16:
-      return varlen<BF16>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                          context_lens, num_seqs, num_tokens, sh, num_threads);
-#if PR_HAVE_F16
-    case kFloat16:
-      return varlen<F16>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                         context_lens, num_seqs, num_tokens, sh, num_threads);
-#endif
-    default:
-      return -8;
-  }
+  return dispatch(dtype, kv_kind, k_aux, v_aux, num_kv_heads, [&](auto* tag, const auto& kr, const auto& vr) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return varlen<T>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, context_lens,
+                     num_seqs, num_tokens, sh, num_threads, kr, vr);
+  });
 }
 
 // One query per sequence (query and out [num_seqs, num_heads, head_size]) over its seq_lens[i]
@@ -575,23 +663,16 @@ PR_EXPORT int paged_attention_decode(void* out, const void* query, const void* k
                                      const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                                      int64_t block_size, int64_t num_blocks, int64_t table_stride,
-                                     int64_t q_stride, int64_t o_stride, float scale, int dtype, int num_threads) {
+                                     int64_t q_stride, int64_t o_stride, float scale, int dtype, int num_threads,
+                                     int kv_kind, const float* k_aux, const float* v_aux) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0) return -6;
   num_threads = std::max(1, num_threads);
-  switch (dtype) {
-    case kFloat32:
-      return decode<float>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, sh, num_threads);
-    case kBFloat16:
-      return decode<BF16>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, sh, num_threads);
-#if PR_HAVE_F16
-    case kFloat16:
-      return decode<F16>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, sh, num_threads);
-#endif
-    default:
-      return -8;
-  }
+  return dispatch(dtype, kv_kind, k_aux, v_aux, num_kv_heads, [&](auto* tag, const auto& kr, const auto& vr) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return decode<T>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs, sh, num_threads, kr, vr);
+  });
 }
 
 // Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_size], token strides k_stride /

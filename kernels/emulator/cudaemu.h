@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "cudaemu_types.h"
+#include "cudaemu_fp8.h"
 #include "cudaemu_runtime.h"
 #include "cudaemu_intrinsics.h"
 

@@ -10,16 +10,48 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedrun import cpu_build
+from pagedrun.kv import kv_quant
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+KV_PLAIN, KV_FP8, KV_INT8 = 0, 1, 2  # how the kernel widens cache rows (kernels/cpu: KvKind)
+
+
+@dataclass
+class KVReader:
+    """How the kernel reads the cache: as the query's dtype, through a 256-entry table per K / V
+    (fp8 codes -> code value x the layer's scale), or int8 x the row's scale ([blocks, block, heads])."""
+    kind: int = KV_PLAIN
+    k_aux: torch.Tensor | None = None
+    v_aux: torch.Tensor | None = None
+
+    def pointers(self) -> tuple[int, int, int]:
+        return (self.kind, 0 if self.k_aux is None else self.k_aux.data_ptr(),
+                0 if self.v_aux is None else self.v_aux.data_ptr())
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_lut(fmt: str, scale: float) -> torch.Tensor:
+    """The kernel's fp8 reader: 256 code values x scale, then the F16C path's multiplier and format."""
+    e5m2 = fmt == "fp8_e5m2"
+    tail = torch.tensor([scale if e5m2 else scale * 256.0, 1.0 if e5m2 else 0.0])
+    return torch.cat([kv_quant.fp8_table(fmt) * scale, tail]).contiguous()
+
+
+def kv_reader(kv_cache_dtype: str, k_scale, v_scale) -> KVReader:
+    if kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        return KVReader(KV_FP8, _fp8_lut(kv_cache_dtype, float(k_scale)), _fp8_lut(kv_cache_dtype, float(v_scale)))
+    if kv_cache_dtype == "int8":
+        return KVReader(KV_INT8, k_scale.contiguous(), v_scale.contiguous())
+    return KVReader()
 
 
 class CpuAttentionKernels:
@@ -30,9 +62,9 @@ class CpuAttentionKernels:
         self.so_path = so_path
         lib = ctypes.CDLL(str(so_path))
         lib.paged_attention_varlen.restype = _int
-        lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + [_f32, _int, _int]
+        lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + [_f32, _int, _int, _int, _ptr, _ptr]
         lib.paged_attention_decode.restype = _int
-        lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + [_f32, _int, _int]
+        lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + [_f32, _int, _int, _int, _ptr, _ptr]
         lib.paged_reshape_and_cache.restype = _int
         lib.paged_reshape_and_cache.argtypes = [_ptr] * 5 + [_i64] * 6
         lib.paged_attention_dtypes.restype = _int
@@ -50,7 +82,7 @@ class CpuAttentionKernels:
         )
 
     def varlen(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-               context_lens, scale: float, num_threads: int) -> int:
+               context_lens, scale: float, num_threads: int, kv: KVReader | None = None) -> int:
         """All int tensors int32 and contiguous; query/out [tokens, heads, hd] with contiguous rows;
         key/value caches contiguous, every tensor of the same dtype."""
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -59,18 +91,18 @@ class CpuAttentionKernels:
             block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr(),
             seq_lens.shape[0], query.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
-            scale, DTYPE_CODES[query.dtype], num_threads,
+            scale, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
         )
 
     def decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-               num_threads: int) -> int:
+               num_threads: int, kv: KVReader | None = None) -> int:
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         return self._lib.paged_attention_decode(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(),
             seq_lens.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
-            scale, DTYPE_CODES[query.dtype], num_threads,
+            scale, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
         )
 
 

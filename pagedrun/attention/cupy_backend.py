@@ -11,6 +11,9 @@ torch's caching allocator, so the memory plan and torch's accounting see all of 
   step's kernel inputs are built by the first layer and reused by the others (paged_step.py).
 - copy_blocks: all layers in one launch through int64 arrays of layer base addresses.
 - swap_blocks: one async cudaMemcpy per block between device and (pinned) host caches.
+- kv_cache_dtype (issue 18): fp8_e4m3 / fp8_e5m2 (uint8 caches, k_scale / v_scale per layer) or int8
+  (int8 caches, per-row scales that copy_blocks moves with their blocks); prefill then runs through
+  the kernels, which dequantize (SDPA would read the raw codes).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pagedrun.attention import kernels as K
 from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
+from pagedrun.kv import kv_quant
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 
@@ -62,7 +66,7 @@ def torch_alloc(device: torch.device):
 class CupyAttentionBackend:
     name = "cupy"
 
-    def __init__(self, prefill: str = "sdpa") -> None:
+    def __init__(self, prefill: str = "sdpa", kv_cache_dtype: str = "auto") -> None:
         """prefill: "sdpa" (default) runs prefill through torch's scaled_dot_product_attention on
         tensor cores and the paged kernels for decode; "kernel" runs prefill tokens through the paged
         kernels as pseudo-sequences (GPU tests compare the two)."""
@@ -73,12 +77,15 @@ class CupyAttentionBackend:
         if prefill not in paged_step.PREFILL_MODES:
             raise ValueError(f"cupy backend: prefill {prefill!r}: one of {', '.join(paged_step.PREFILL_MODES)}")
         self.prefill = prefill
+        self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
+        self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
         self.last_version: str | None = None
 
-    def kernels(self, cache: torch.Tensor) -> K.PagedKernels:
-        _, block_size, _, head_size = cache.shape
-        return K.cupy_kernels(K.KernelVariant(K.dtype_name(cache.dtype), int(head_size), int(block_size)),
-                              cache.device.index or 0)
+    def kernels(self, cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> K.PagedKernels:
+        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized)."""
+        if model_dtype is None:
+            model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
+        return K.cupy_kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype), cache.device.index or 0)
 
     @contextlib.contextmanager
     def _stream(self, device: torch.device):
@@ -97,32 +104,48 @@ class CupyAttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale=None,
+        v_scale=None,
     ) -> torch.Tensor:
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
-        ker = self.kernels(key_cache)
+        self._model_dtype = query.dtype
+        ker = self.kernels(key_cache, query.dtype)
         device = key_cache.device
+        if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write
+            kv_quant.calibrate_fp8_(k_scale, key, ker.variant.kv_dtype)
+            kv_quant.calibrate_fp8_(v_scale, value, ker.variant.kv_dtype)
+        ks, vs = paged_step.scale_tensors(ker.variant, key_cache, k_scale, v_scale)
         with self._stream(device):
-            step = paged_step.cached(meta, device, as_cupy, self.prefill, self.name)
+            step = paged_step.cached(meta, device, as_cupy, paged_step.prefill_mode(self.prefill, ker.variant), self.name)
             out, version = paged_step.forward(ker, step, as_cupy, query, key, value, key_cache, value_cache,
-                                              meta, scale, alloc=torch_alloc(device))
+                                              meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs)
         if version != "none":
             self.last_version = version
         return out
 
     def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        """Copy-on-write in every layer; kv_scales: an int8 cache's per-row (k, v) scales per layer."""
         if not kv_caches or not pairs:
             return
         first = kv_caches[0][0]
         ker = self.kernels(first)
         device = first.device
+        jobs = [(kv_caches, ker.variant.copy_blocks_name)]
+        if ker.variant.copy_scales_name:
+            if kv_scales is None:
+                raise ValueError("cupy backend: copy_blocks on an int8 cache needs kv_scales")
+            jobs.append((kv_scales, ker.variant.copy_scales_name))
         with self._stream(device):  # the small index arrays come from torch's allocator too
-            key_ptrs = torch.tensor([k.data_ptr() for k, _ in kv_caches], dtype=torch.int64).to(device)
-            value_ptrs = torch.tensor([v.data_ptr() for _, v in kv_caches], dtype=torch.int64).to(device)
             mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
-            ker.copy_blocks(as_cupy(key_ptrs), as_cupy(value_ptrs), as_cupy(mapping), int(np.prod(first.shape[1:])))
+            for tensors, name in jobs:
+                key_ptrs = torch.tensor([k.data_ptr() for k, _ in tensors], dtype=torch.int64).to(device)
+                value_ptrs = torch.tensor([v.data_ptr() for _, v in tensors], dtype=torch.int64).to(device)
+                ker.copy_blocks(as_cupy(key_ptrs), as_cupy(value_ptrs), as_cupy(mapping),
+                                int(np.prod(tensors[0][0].shape[1:])), name)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
         """Swap out (GPU -> pinned CPU) or in (CPU -> GPU): one async copy per (src_block, dst_block).

@@ -4,6 +4,7 @@ Same .cu sources, same launch helpers (pagedrun.attention.kernels), same grids: 
 comes from EmuModule and device arrays are numpy views of the torch CPU tensors (no copies for the
 caches, which the kernels write in place). It is slow (every CUDA thread is a fiber) and exists so
 that CI without a GPU runs the real kernels end to end, e.g. greedy tokens vs the torch backend.
+kv_cache_dtype (auto | fp8 | fp8_e4m3 | fp8_e5m2 | int8) says how a uint8 / int8 cache is to be read.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from pagedrun.attention import kernels as K
 from pagedrun.attention import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.kv import kv_quant
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -24,7 +26,7 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
         raise ValueError(f"emulated backend: tensors must be on the CPU, got {t.device}")
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
+    return t.numpy()  # uint8 (fp8 bit patterns) and int8 caches are plain numpy dtypes
 
 
 class EmulatedAttentionBackend:
@@ -35,19 +37,24 @@ class EmulatedAttentionBackend:
         schedule: str = "round_robin",
         kernels: Callable[[K.KernelVariant], K.PagedKernels] | None = None,
         prefill: str = "kernel",
+        kv_cache_dtype: str = "auto",
     ):
         """prefill: "kernel" runs prefill tokens through the paged kernels as pseudo-sequences (what
         CI checks the kernels on); "sdpa" is the CuPy backend's path on a GPU (prefill through torch
         SDPA, kernels for decode), run here so CI checks that path's host logic."""
         self.schedule = schedule
         self.prefill = prefill
+        self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
+        self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
         # Tests hand in kernels from a module they already compiled (emulator builds cost seconds).
         self._kernels = kernels or (lambda variant: K.emulated_kernels(variant, schedule))
         self.last_version: str | None = None  # "v1" / "v2" of the latest attention launch (tests)
 
-    def kernels(self, cache: torch.Tensor) -> K.PagedKernels:
-        _, block_size, _, head_size = cache.shape
-        return self._kernels(K.KernelVariant(K.dtype_name(cache.dtype), int(head_size), int(block_size)))
+    def kernels(self, cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> K.PagedKernels:
+        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized)."""
+        if model_dtype is None:
+            model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
+        return self._kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype))
 
     def forward(
         self,
@@ -58,31 +65,49 @@ class EmulatedAttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale=None,
+        v_scale=None,
     ) -> torch.Tensor:
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
-        ker = self.kernels(key_cache)
-        step = paged_step.cached(meta, key_cache.device, as_numpy, self.prefill, self.name)
-        out, version = paged_step.forward(ker, step, as_numpy, query, key, value, key_cache, value_cache, meta, scale)
+        self._model_dtype = query.dtype
+        ker = self.kernels(key_cache, query.dtype)
+        if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write
+            kv_quant.calibrate_fp8_(k_scale, key, ker.variant.kv_dtype)
+            kv_quant.calibrate_fp8_(v_scale, value, ker.variant.kv_dtype)
+        ks, vs = paged_step.scale_tensors(ker.variant, key_cache, k_scale, v_scale)
+        prefill = paged_step.prefill_mode(self.prefill, ker.variant)
+        step = paged_step.cached(meta, key_cache.device, as_numpy, prefill, self.name)
+        out, version = paged_step.forward(ker, step, as_numpy, query, key, value, key_cache, value_cache, meta, scale,
+                                          k_scales=ks, v_scales=vs)
         if version != "none":
             self.last_version = version
         return out
 
     def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        """Copy-on-write in every layer; kv_scales: an int8 cache's per-row (k, v) scales per layer,
+        [num_blocks, block_size, num_kv_heads] each, copied along with their blocks."""
         if not kv_caches or not pairs:
             return
         ker = self.kernels(kv_caches[0][0])
-        keys = [as_numpy(k) for k, _ in kv_caches]
-        values = [as_numpy(v) for _, v in kv_caches]
-        key_ptrs = np.array([a.ctypes.data for a in keys], dtype=np.int64)
-        value_ptrs = np.array([a.ctypes.data for a in values], dtype=np.int64)
         mapping = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-        numel = int(np.prod(kv_caches[0][0].shape[1:]))
-        # keys/values stay referenced until the launch returns: the addresses are only valid that long
-        ker.copy_blocks(key_ptrs, value_ptrs, mapping, numel)
-        del keys, values
+        jobs = [(kv_caches, ker.variant.copy_blocks_name)]
+        if ker.variant.copy_scales_name:
+            if kv_scales is None:
+                raise ValueError("emulated backend: copy_blocks on an int8 cache needs kv_scales")
+            jobs.append((kv_scales, ker.variant.copy_scales_name))
+        for tensors, name in jobs:
+            keys = [as_numpy(k) for k, _ in tensors]
+            values = [as_numpy(v) for _, v in tensors]
+            key_ptrs = np.array([a.ctypes.data for a in keys], dtype=np.int64)
+            value_ptrs = np.array([a.ctypes.data for a in values], dtype=np.int64)
+            numel = int(np.prod(tensors[0][0].shape[1:]))
+            # keys/values stay referenced until the launch returns: the addresses are only valid that long
+            ker.copy_blocks(key_ptrs, value_ptrs, mapping, numel, name)
+            del keys, values
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
         """Swap in/out between two caches: a block copy per (src_block, dst_block), as in vLLM."""

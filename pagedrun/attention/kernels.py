@@ -6,13 +6,14 @@ pointers. The two attention backends differ only in how they build a module and 
 grid shapes, shared-memory sizes and argument packing (numpy scalars of the exact parameter types:
 a Python float would be packed as a double) are written once, here.
 
-bfloat16 has no numpy dtype: bf16 tensors travel as int16/uint16 views of the same memory and the
-variant's `dtype` says how the kernel reads them.
+Which variants exist and their template names: pagedrun.attention.kernel_variants (re-exported).
+A quantized KV cache (issue 18) adds two float32 scale arrays to reshape_and_cache and attention:
+fp8 one element per layer (k_scale, v_scale), int8 one per (slot, kv head) beside the blocks.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,109 +21,52 @@ import numpy as np
 
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
 from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
+from pagedrun.attention.kernel_variants import (  # noqa: F401  (re-exported)
+    BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, NUM_THREADS, PARTITION_SIZE, QUANTIZED_KV_DTYPES, WARP_SIZE,
+    KernelVariant, all_variants, dtype_name, kv_dtype_name,
+)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
 
-NUM_THREADS = 128
-WARP_SIZE = 32
-PARTITION_SIZE = 512
 # vLLM's rule: v1 while the logits of a whole sequence fit comfortably in shared memory and there
 # are enough (head, sequence) blocks to fill the GPU; otherwise split sequences into partitions.
 V1_MAX_SEQ_LEN = 8192
 V1_MIN_BLOCKS = 512
 
-HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
-BLOCK_SIZES = (8, 16, 32)
-# dtype name -> (C type in the kernel, numpy dtype of the arrays handed to it)
-DTYPES: dict[str, tuple[str, Any]] = {
-    "float16": ("__half", np.float16),
-    "bfloat16": ("__nv_bfloat16", np.uint16),
-    "float32": ("float", np.float32),
-}
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
 # gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y and
 # copy_blocks its block pairs, so longer launches are split into chunks of rows.
 MAX_GRID_Y = 65535
 
 
-def load_source(name: str) -> str:
-    return (KERNEL_DIR / name).read_text()
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
+
+
+def load_source(name: str, seen: set[str] | None = None) -> str:
+    """A kernel file with its local #include "x.cuh" inlined (NVRTC and the emulator compile one
+    string, with no include path to kernels/), each header once per `seen` set and without its
+    `#pragma once` (which only nvcc's real includes need). #line keeps file:line in messages true."""
+    seen = set() if seen is None else seen
+    text = (KERNEL_DIR / name).read_text()
+
+    def inline(m: re.Match) -> str:
+        line = text.count("\n", 0, m.start()) + 2  # the line after the #include
+        back = f'#line {line} "kernels/{name}"'
+        if m.group(1) in seen:
+            return back
+        seen.add(m.group(1))
+        header = re.sub(r"^#pragma once[ \t]*$", "", load_source(m.group(1), seen), flags=re.M)
+        return f'#line 1 "kernels/{m.group(1)}"\n{header}\n{back}'
+
+    return _LOCAL_INCLUDE.sub(inline, text)
 
 
 def full_source() -> str:
     """Both .cu files as one translation unit (both include only NVRTC-provided headers)."""
-    return load_source(ATTENTION_SOURCE) + "\n" + load_source(CACHE_OPS_SOURCE)
-
-
-@dataclass(frozen=True)
-class KernelVariant:
-    dtype: str  # float16 | bfloat16 | float32
-    head_size: int
-    block_size: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"kernel dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.head_size not in HEAD_SIZES:
-            raise ValueError(f"head_size {self.head_size}: compiled head sizes are {HEAD_SIZES}")
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size {self.block_size}: compiled block sizes are {BLOCK_SIZES}")
-
-    @property
-    def ctype(self) -> str:
-        return DTYPES[self.dtype][0]
-
-    @property
-    def np_dtype(self) -> Any:
-        return DTYPES[self.dtype][1]
-
-    @property
-    def v1_name(self) -> str:
-        return f"paged_attention_v1_kernel<{self.ctype}, {self.head_size}, {self.block_size}, {NUM_THREADS}>"
-
-    @property
-    def v2_name(self) -> str:
-        return (
-            f"paged_attention_v2_kernel<{self.ctype}, {self.head_size}, {self.block_size}, "
-            f"{NUM_THREADS}, {PARTITION_SIZE}>"
-        )
-
-    @property
-    def reduce_name(self) -> str:
-        return f"paged_attention_v2_reduce_kernel<{self.ctype}, {self.head_size}, {NUM_THREADS}, {PARTITION_SIZE}>"
-
-    @property
-    def reshape_and_cache_name(self) -> str:
-        return f"reshape_and_cache_kernel<{self.ctype}>"
-
-    @property
-    def copy_blocks_name(self) -> str:
-        return f"copy_blocks_kernel<{self.ctype}>"
-
-    def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
-        """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
-        names = []
-        if "v1" in parts:
-            names.append(self.v1_name)
-        if "v2" in parts:
-            names += [self.v2_name, self.reduce_name]
-        if "cache" in parts:
-            names += [self.reshape_and_cache_name, self.copy_blocks_name]
-        return names
-
-
-def all_variants() -> list[KernelVariant]:
-    return [KernelVariant(d, h, b) for d in DTYPES for h in HEAD_SIZES for b in BLOCK_SIZES]
-
-
-def dtype_name(dtype: Any) -> str:
-    """torch or numpy dtype -> 'float16' | 'bfloat16' | 'float32'."""
-    name = str(dtype).replace("torch.", "")
-    if name in DTYPES:
-        return name
-    raise ValueError(f"KV cache dtype {dtype}: the kernels support {', '.join(DTYPES)}")
+    seen: set[str] = set()
+    return load_source(ATTENTION_SOURCE, seen) + "\n" + load_source(CACHE_OPS_SOURCE, seen)
 
 
 # ---------------------------------------------------------------- v1 / v2 choice and shared memory
@@ -210,36 +154,44 @@ class PagedKernels:
 
     # ------------------------------------------------------------ cache ops
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        """key/value [num_tokens, num_kv_heads, head_size] -> their slots; slot < 0 is skipped."""
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping,
+                          k_scales=None, v_scales=None) -> None:
+        """key/value [num_tokens, num_kv_heads, head_size] -> their slots; slot < 0 is skipped.
+        A quantized cache takes float32 k/v_scales: fp8 [1] (read), int8 [num_blocks, block_size,
+        num_kv_heads] (written beside the rows)."""
         num_tokens = int(slot_mapping.shape[0])
         if num_tokens == 0:
             return
         _, block_size, num_kv_heads, head_size = key_cache.shape
-        self._check_cache(key_cache, value_cache)
+        self._check_cache(key_cache, value_cache, k_scales, v_scales)
         for name, t in (("key", key), ("value", value)):
             _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), f"{name} shape {t.shape}")
             _check(rows_contiguous(t), f"{name} rows must be contiguous")
-            _check(t.dtype == key_cache.dtype, f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
+            _check(same_dtype(t.dtype, self.variant.np_dtype), f"{name} dtype {t.dtype} != the model dtype {self.variant.dtype}")
         _check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
         row = num_kv_heads * head_size
+        # int8: one warp per kv head (the head's max |x| is a warp reduction), at most 16 warps
+        threads = 32 * min(num_kv_heads, 16) if self.variant.kv_dtype == "int8" else min(row, 512)
         fn = self.function(self.variant.reshape_and_cache_name)
         fn(
             (num_tokens, 1, 1),
-            (min(row, 512), 1, 1),
+            (threads, 1, 1),
             (
                 key, value, key_cache, value_cache, slot_mapping,
                 np.int32(key.strides[0] // key.itemsize), np.int32(value.strides[0] // value.itemsize),
-                np.int32(num_kv_heads), np.int32(head_size),
+                np.int32(num_kv_heads), np.int32(head_size), k_scales, v_scales,
             ),
         )
 
-    def copy_blocks(self, key_cache_ptrs, value_cache_ptrs, block_mapping, numel_per_block: int) -> None:
-        """All layers at once: *_ptrs int64 [num_layers] base addresses, block_mapping int64 [pairs, 2]."""
+    def copy_blocks(self, key_cache_ptrs, value_cache_ptrs, block_mapping, numel_per_block: int,
+                    kernel_name: str | None = None) -> None:
+        """All layers at once: *_ptrs int64 [num_layers] base addresses, block_mapping int64 [pairs, 2].
+        kernel_name: the variant's copy_scales_name copies an int8 cache's per-row scales (float,
+        numel_per_block = block_size * num_kv_heads) with the same kernel."""
         num_layers, num_pairs = int(key_cache_ptrs.shape[0]), int(block_mapping.shape[0])
         if num_layers == 0 or num_pairs == 0:
             return
-        fn = self.function(self.variant.copy_blocks_name)
+        fn = self.function(kernel_name or self.variant.copy_blocks_name)
         for lo in range(0, num_pairs, self.max_grid_y):  # pairs sit on gridDim.y
             chunk = block_mapping[lo : lo + self.max_grid_y]
             fn(
@@ -252,9 +204,10 @@ class PagedKernels:
 
     def paged_attention(
         self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
-        scale: float, version: str | None = None, alloc: Alloc | None = None,
+        scale: float, version: str | None = None, alloc: Alloc | None = None, k_scales=None, v_scales=None,
     ) -> str:
         """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
+        k/v_scales: a quantized cache's float32 scales (see reshape_and_cache).
 
         max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
         Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks).
@@ -264,11 +217,12 @@ class PagedKernels:
         if num_seqs == 0:
             return "none"
         _, block_size, num_kv_heads, cache_head_size = key_cache.shape
-        self._check_cache(key_cache, value_cache)
+        self._check_cache(key_cache, value_cache, k_scales, v_scales)
         _check(head_size == cache_head_size, f"query head_size {head_size} != cache {cache_head_size}")
         _check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
         _check(rows_contiguous(query), "query heads must be contiguous")
-        _check(query.dtype == key_cache.dtype and out.dtype == key_cache.dtype, "query/out dtype != cache dtype")
+        _check(same_dtype(query.dtype, self.variant.np_dtype) and same_dtype(out.dtype, self.variant.np_dtype),
+               f"query/out dtype != the model dtype {self.variant.dtype}")
         _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
                "out must be contiguous like query")
         _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
@@ -291,16 +245,16 @@ class PagedKernels:
         for lo in range(0, num_seqs, self.max_grid_y):
             hi = min(num_seqs, lo + self.max_grid_y)
             rows = (out[lo:hi], query[lo:hi], block_tables[lo:hi], seq_lens[lo:hi])
-            self._attention_launch(version, *rows, key_cache, value_cache, num_kv_heads, q_stride,
-                                   max_seq_len, scale, empty)
+            self._attention_launch(version, *rows, key_cache, value_cache, k_scales, v_scales, num_kv_heads,
+                                   q_stride, max_seq_len, scale, empty)
         return version
 
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
-                          num_kv_heads, q_stride, max_seq_len, scale, empty) -> None:
+                          k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty) -> None:
         v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         common = (
-            query, key_cache, value_cache, np.int32(num_kv_heads), np.float32(scale),
+            query, key_cache, value_cache, k_scales, v_scales, np.int32(num_kv_heads), np.float32(scale),
             block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride,
         )
         block = (NUM_THREADS, 1, 1)
@@ -322,17 +276,34 @@ class PagedKernels:
             (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts)), shared_mem=rsmem,
         )
 
-    @staticmethod
-    def _check_cache(key_cache, value_cache) -> None:
+    def _check_cache(self, key_cache, value_cache, k_scales, v_scales) -> None:
         _check(key_cache.ndim == 4 and tuple(key_cache.shape) == tuple(value_cache.shape),
                "key/value caches must be [num_blocks, block_size, num_kv_heads, head_size]")
         _check(c_contiguous_ignoring_size1(key_cache) and c_contiguous_ignoring_size1(value_cache),
                "caches must be contiguous")
+        v = self.variant
+        _check(same_dtype(key_cache.dtype, v.cache_np_dtype) and same_dtype(value_cache.dtype, v.cache_np_dtype),
+               f"cache dtype {key_cache.dtype} != {np.dtype(v.cache_np_dtype)} (kv_cache_dtype {v.kv_dtype})")
+        if not v.quantized:
+            _check(k_scales is None and v_scales is None, "an unquantized cache takes no scales")
+            return
+        want = tuple(int(n) for n in key_cache.shape[:3]) if v.kv_dtype == "int8" else (1,)
+        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+            _check(t is not None, f"kv_cache_dtype {v.kv_dtype} needs {name}")
+            _check(t.dtype == np.float32 and int(np.prod(t.shape)) == int(np.prod(want))
+                   and (t.ndim <= 1 or tuple(int(n) for n in t.shape) == want) and c_contiguous_ignoring_size1(t),
+                   f"{name} must be contiguous float32 {list(want)}, got {t.dtype} {list(t.shape)}")
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"paged kernels: {message}")
+
+
+def same_dtype(have, want) -> bool:
+    """Array dtype check; bf16 travels as uint16 (numpy views) or int16 (the CuPy DLPack view)."""
+    have, want = np.dtype(have), np.dtype(want)
+    return have == want or (want == np.uint16 and have == np.int16)
 
 
 def rows_contiguous(a) -> bool:

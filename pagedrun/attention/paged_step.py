@@ -13,6 +13,11 @@ Two ways to do prefill, one per backend need:
 - "kernel": every token is a paged-kernel row, prefill token j of sequence i a "pseudo-sequence"
   of length context_i + j + 1 on i's block table (pseudo_sequences below). The emulated
   backend's default, so CI runs the kernels on prefill too.
+A quantized KV cache (issue 18) always takes the "kernel" path: SDPA would read the raw codes.
+
+Quantized caches also carry their float32 scales (k_scale / v_scale, vLLM's names): fp8 one per layer
+(a float or a 1-element tensor), int8 one per (slot, kv head) in a [num_blocks, block_size,
+num_kv_heads] tensor beside the blocks. kv_variant / scale_tensors check them once for both backends.
 """
 from __future__ import annotations
 
@@ -86,12 +91,43 @@ def cached(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: s
     return step
 
 
+def kv_variant(model_dtype: torch.dtype, key_cache: torch.Tensor, kv_cache_dtype: str) -> K.KernelVariant:
+    """The kernel variant for a layer: the model (query) dtype, the cache's layout and storage."""
+    _, block_size, _, head_size = key_cache.shape
+    kv = K.kv_dtype_name(kv_cache_dtype)
+    want = K.KV_DTYPES[kv][2]
+    if want is not None and key_cache.dtype != getattr(torch, np.dtype(want).name):
+        raise ValueError(f"kv_cache_dtype {kv}: the cache must be stored as {np.dtype(want).name}, not {key_cache.dtype}")
+    return K.KernelVariant(K.dtype_name(model_dtype), int(head_size), int(block_size), kv)
+
+
+def prefill_mode(requested: str, variant: K.KernelVariant) -> str:
+    return "kernel" if variant.quantized else requested
+
+
+def scale_tensors(variant: K.KernelVariant, key_cache: torch.Tensor, k_scale, v_scale
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """k_scale / v_scale as contiguous float32 tensors on the cache's device (None when unquantized)."""
+    if not variant.quantized:
+        return None, None
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"kv_cache_dtype {variant.kv_dtype} needs {name}")
+        t = torch.as_tensor(s, dtype=torch.float32, device=key_cache.device)
+        out.append(t.reshape(1) if t.dim() == 0 else t.contiguous())
+    return out[0], out[1]
+
+
 def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value, key_cache, value_cache,
-            meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None) -> tuple[torch.Tensor, str]:
+            meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None,
+            k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
-    prefills. Returns (out, the kernel version launched or "none")."""
+    prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors."""
     kc, vc = wrap(key_cache), wrap(value_cache)
-    ker.reshape_and_cache(wrap(key.contiguous()), wrap(value.contiguous()), kc, vc, step.slot_mapping)
+    ks = None if k_scales is None else wrap(k_scales)
+    vs = None if v_scales is None else wrap(v_scales)
+    ker.reshape_and_cache(wrap(key.contiguous()), wrap(value.contiguous()), kc, vc, step.slot_mapping, ks, vs)
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay 0
     version = "none"
     if step.num_rows:
@@ -101,10 +137,11 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             q = query.index_select(0, step.row_tokens)
             o = torch.empty_like(q)
         version = ker.paged_attention(wrap(o), wrap(q), kc, vc, step.block_tables, step.seq_lens,
-                                      step.max_seq_len, float(scale), alloc=alloc)
+                                      step.max_seq_len, float(scale), alloc=alloc, k_scales=ks, v_scales=vs)
         if step.row_tokens is not None:
             out.index_copy_(0, step.row_tokens, o)
     if step.prefills:
+        assert not ker.variant.quantized, "quantized caches take the kernel prefill path (prefill_mode)"
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
                         meta.block_size, scale)
     return out, version

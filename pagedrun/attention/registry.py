@@ -48,14 +48,20 @@ def available_backends() -> list[str]:
     return names
 
 
-def make_backend(name: str, device: torch.device | str = "cpu"):
+def make_backend(name: str, device: torch.device | str = "cpu", kv_spec=None, model_dtype: torch.dtype | None = None):
+    """kv_spec (pagedrun.kv.kv_quant.KVCacheSpec): how the cache stores K/V; None = the model's dtype."""
     device = torch.device(device)
     if name == "auto":
         name = "cupy" if device.type == "cuda" and _cupy_gpu() else "torch"
+    kv_name = "auto" if kv_spec is None or kv_spec.storage == model_dtype else kv_spec.name
+    if kv_name in ("float32", "bfloat16", "float16") and name != "torch":
+        # The CUDA kernels read a cache in the query's dtype or a quantized one, not another float.
+        raise PagedrunError(f"cache.kv_cache_dtype: {kv_name} with a {str(model_dtype).removeprefix('torch.')} model "
+                            f"is not supported by the {name} backend; supported: auto, fp8, fp8_e4m3, fp8_e5m2, int8")
     if name == "torch":
         from pagedrun.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kv_cache_dtype=kv_name)
     if name == "cupy":
         why = _cupy_status()
         if why is not None:
@@ -68,13 +74,13 @@ def make_backend(name: str, device: torch.device | str = "cpu"):
             raise PagedrunError(f"attention_backend: cupy needs the model on a CUDA device, not {device}")
         from pagedrun.attention.cupy_backend import CupyAttentionBackend
 
-        return CupyAttentionBackend()
+        return CupyAttentionBackend(kv_cache_dtype=kv_name)
     if name == "emulated":
         if device.type != "cpu":
             raise PagedrunError(f"attention_backend: emulated runs on the CPU, not {device}")
         from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
 
-        return EmulatedAttentionBackend()
+        return EmulatedAttentionBackend(kv_cache_dtype=kv_name)
     raise PagedrunError(
         f"attention_backend: unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
     )

@@ -16,13 +16,21 @@ in place through the block tables with an online softmax, so no gather copies, m
 over prefills. The pure-torch path above stays as the fallback (no compiler, CUDA tensors, an
 unsupported dtype or layout) and as the reference the kernel is tested against;
 TorchAttentionBackend(use_cpu_kernel=False) forces it.
+
+A quantized cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 / int8, pagedrun/kv/kv_quant.py): this
+step's K/V are quantized in torch and scattered as bytes (int8 scales beside them); the C++ kernel
+widens each chunk of cache rows to float32 as it reads them (a 256-entry table for fp8, the row's
+scale for int8); the torch path dequantizes the blocks the step reads into a compact float32 copy.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from pagedrun.attention import cpu_kernels
+from pagedrun.kv import kv_quant
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs
 
@@ -30,10 +38,15 @@ from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None, kv_cache_dtype: str = "auto") -> None:
         """use_cpu_kernel: None (auto) = the C++ kernel for CPU tensors it supports, once it builds,
-        else torch; True = the same, but raise if the kernel cannot be built; False = torch only."""
+        else torch; True = the same, but raise if the kernel cannot be built; False = torch only.
+        kv_cache_dtype: auto (the cache holds the model's dtype, or another float) | fp8_e4m3 |
+        fp8_e5m2 | int8 (the cache holds codes; forward then needs k_scale / v_scale)."""
         self.use_cpu_kernel = use_cpu_kernel
+        self.kv_cache_dtype = kv_quant.kv_cache_spec(kv_cache_dtype, torch.float32).name if kv_cache_dtype != "auto" \
+            else "auto"
+        self.quantized = self.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2", "int8")
         # Why the C++ kernel is not (or was not, on the last call) used; None while it is.
         self.cpu_kernel_error: str | None = "disabled (use_cpu_kernel=False)" if use_cpu_kernel is False else None
         self.last_path: str | None = None  # "cpu_kernel" or "torch": what the last forward ran
@@ -62,16 +75,54 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kern = self._usable_kernel(query, key_cache, value_cache)
-        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernels=kern)
+        if self.quantized:
+            key, value = self._write_quantized(key, value, key_cache, value_cache, k_scale, v_scale, meta, kern)
+        else:
+            reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernels=kern)
         if kern is not None:
-            out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale)
+            out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale, k_scale, v_scale)
             if out is not None:
                 self.last_path = "cpu_kernel"
                 return out
         self.last_path = "torch"
+        if self.quantized:
+            key_cache, value_cache, meta = self._dequantized_blocks(key_cache, value_cache, k_scale, v_scale, meta)
         return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale)
+
+    def _write_quantized(self, key, value, key_cache, value_cache, k_scale, v_scale, meta, kern):
+        """Quantize this step's K/V and scatter the codes (and int8 scales); returns K/V as the cache
+        now holds them, dequantized (what the torch path attends to for the step's own tokens)."""
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs k_scale and v_scale")
+        fmt = self.kv_cache_dtype
+        if fmt == "int8":
+            (qk, sk), (qv, sv) = kv_quant.quantize_int8(key), kv_quant.quantize_int8(value)
+            reshape_and_cache(qk, qv, key_cache, value_cache, meta.slot_mapping, kernels=kern)
+            reshape_and_cache(sk.unsqueeze(-1), sv.unsqueeze(-1), k_scale.unsqueeze(-1), v_scale.unsqueeze(-1),
+                              meta.slot_mapping)
+            return kv_quant.dequantize_int8(qk, sk), kv_quant.dequantize_int8(qv, sv)
+        kv_quant.calibrate_fp8_(k_scale, key, fmt)
+        kv_quant.calibrate_fp8_(v_scale, value, fmt)
+        qk, qv = kv_quant.quantize_fp8(key, k_scale, fmt), kv_quant.quantize_fp8(value, v_scale, fmt)
+        reshape_and_cache(qk, qv, key_cache, value_cache, meta.slot_mapping, kernels=kern)
+        return kv_quant.dequantize_fp8(qk, k_scale, fmt), kv_quant.dequantize_fp8(qv, v_scale, fmt)
+
+    def _dequantized_blocks(self, key_cache, value_cache, k_scale, v_scale, meta):
+        """The blocks this step reads, dequantized to float32 in a compact cache, and the metadata
+        with its block tables renumbered into it (the full cache is never widened)."""
+        ids, renumbered = torch.unique(meta.block_tables.long(), return_inverse=True)
+        if self.kv_cache_dtype == "int8":
+            kc = kv_quant.dequantize_int8(key_cache[ids], k_scale[ids])
+            vc = kv_quant.dequantize_int8(value_cache[ids], v_scale[ids])
+        else:
+            kc = kv_quant.dequantize_fp8(key_cache[ids], k_scale, self.kv_cache_dtype)
+            vc = kv_quant.dequantize_fp8(value_cache[ids], v_scale, self.kv_cache_dtype)
+        meta = dataclasses.replace(meta, block_tables=renumbered.to(torch.int32), backend_state={})
+        return kc, vc, meta
 
     def _usable_kernel(self, query, key_cache, value_cache) -> cpu_kernels.CpuAttentionKernels | None:
         if self.use_cpu_kernel is False or query.device.type != "cpu":
@@ -79,7 +130,8 @@ class TorchAttentionBackend:
         kern = self.load_cpu_kernel()
         if kern is None:
             return None
-        if not (query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in kern.dtypes):
+        plain = not self.quantized and query.dtype == key_cache.dtype == value_cache.dtype
+        if not (plain or self.quantized) or query.dtype not in kern.dtypes:
             self.cpu_kernel_error = f"dtype {query.dtype} / cache {key_cache.dtype} not supported by the kernel"
             return None
         if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
@@ -90,7 +142,8 @@ class TorchAttentionBackend:
             return None
         return kern
 
-    def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale) -> torch.Tensor | None:
+    def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale, k_scale=None,
+                       v_scale=None) -> torch.Tensor | None:
         """Every token of the step in one kernel call; None if the kernel refused the arguments."""
         head_size = query.shape[2]
         if query.stride(2) != 1 or query.stride(1) != head_size:
@@ -98,11 +151,12 @@ class TorchAttentionBackend:
         out = torch.empty(query.shape, dtype=query.dtype)
         tables, seq_lens = _int32(meta.block_tables), _int32(meta.seq_lens)
         threads = torch.get_num_threads()
+        kv = cpu_kernels.kv_reader(self.kv_cache_dtype, k_scale, v_scale)
         if meta.is_decode_only and meta.num_seqs == query.shape[0]:
-            rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads)
+            rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads, kv)
         else:
             rc = kern.varlen(out, query, key_cache, value_cache, tables, _int32(meta.query_start_loc), seq_lens,
-                             _int32(meta.context_lens), scale, threads)
+                             _int32(meta.context_lens), scale, threads, kv)
         if rc != 0:
             # Inconsistent metadata or a block id outside the cache: let the torch path have it
             # (it raises on what the kernel could only have crashed on).
@@ -170,7 +224,7 @@ class TorchAttentionBackend:
         device = kv_caches[0][0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-        for key_cache, value_cache in kv_caches:
+        for key_cache, value_cache, *_ in kv_caches:  # int8 scales: CacheEngine.copy moves them
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 

@@ -22,6 +22,7 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
+from pagedrun.kv.kv_quant import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
 from pagedrun.kv.populate import CachePopulator
@@ -103,11 +104,14 @@ class LLMEngine:
         self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
                                                 self.max_model_len)
         num_cpu_blocks = self.memory.num_cpu_blocks if sched.preemption_mode == "swap" else 0
+        self.kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, self.dtype)
+        self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
-                                        self.dtype, self.device)
-        self.populator = CachePopulator([self.cache_engine.gpu_kv_cache])
-        self.backend = make_backend(recipe.model.attention_backend, self.device)
+                                        self.dtype, self.device, self.kv_spec,
+                                        (recipe.cache.k_scale, recipe.cache.v_scale))
+        self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors])
+        self._scales_checked = self.cache_engine.layer_scales is None
         self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
                                  enable_prefix_caching=recipe.cache.enable_prefix_caching,
                                  watermark=recipe.cache.watermark)
@@ -179,6 +183,10 @@ class LLMEngine:
             for s in out.scheduled
         ]
         logits = self.runner.execute(inputs)
+        if not self._scales_checked:  # fp8: every layer's scale was set by this first step's writes
+            given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
+            check_scales(self.cache_engine.layer_scales, "from the recipe" if given else "calibrated on the first step")
+            self._scales_checked = True
 
         # Rows to sample: one per sampling sequence, n for a prompt that is about to fork into n.
         row_of, rows, row_owner = [], [], []

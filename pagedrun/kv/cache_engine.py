@@ -16,6 +16,7 @@ from typing import Callable, Union
 import torch
 
 from pagedrun.errors import PagedrunError
+from pagedrun.kv.kv_quant import KVCacheSpec, kv_cache_spec
 
 BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
 
@@ -41,7 +42,11 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: Union[torch.dtype, str],
         device: Union[torch.device, str],
+        kv_spec: KVCacheSpec | None = None,
+        fp8_scales: tuple[float | None, float | None] = (None, None),
     ):
+        """dtype: the model's; kv_spec (kv/kv_quant.py): how the cache stores K/V (default: in dtype).
+        fp8_scales: the recipe's k_scale / v_scale for every layer (None: calibrated on first write)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -50,19 +55,49 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.dtype = _as_dtype(dtype)
         self.device = torch.device(device)
+        self.spec = kv_spec or kv_cache_spec("auto", self.dtype)
         shape = (num_layers, 2)
         block_shape = (block_size, num_kv_heads, head_size)
         # Uninitialised on purpose: a slot is only read after the step that wrote it.
-        self.gpu_kv_cache = allocate_cache(shape + (num_gpu_blocks,) + block_shape, self.dtype, self.device)
+        self.gpu_kv_cache = allocate_cache(shape + (num_gpu_blocks,) + block_shape, self.spec.storage, self.device)
         # Pinned host memory makes host<->device copies DMA transfers that need no staging copy.
         pin = self.device.type == "cuda"
-        self.cpu_kv_cache = torch.empty(shape + (num_cpu_blocks,) + block_shape, dtype=self.dtype, pin_memory=pin)
-        self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.gpu_kv_cache[i, 0], self.gpu_kv_cache[i, 1]) for i in range(num_layers)
-        ]
-        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.cpu_kv_cache[i, 0], self.cpu_kv_cache[i, 1]) for i in range(num_layers)
-        ]
+        self.cpu_kv_cache = torch.empty(shape + (num_cpu_blocks,) + block_shape, dtype=self.spec.storage,
+                                        pin_memory=pin)
+        # int8: a scale per (slot, kv head) beside the blocks, moved with them (same block index).
+        self.gpu_kv_scales: torch.Tensor | None = None
+        self.cpu_kv_scales: torch.Tensor | None = None
+        if self.spec.is_int8:
+            self.gpu_kv_scales = allocate_cache(shape + (num_gpu_blocks, block_size, num_kv_heads), torch.float32,
+                                                self.device)
+            self.cpu_kv_scales = torch.empty(shape + (num_cpu_blocks, block_size, num_kv_heads), dtype=torch.float32,
+                                             pin_memory=pin)
+        # fp8: one scale per layer for K and V, on the host (read without a device sync); 0 = not
+        # calibrated yet (the first write of the layer sets it, kv_quant.calibrate_fp8_).
+        self.layer_scales: torch.Tensor | None = None
+        if self.spec.is_fp8:
+            self.layer_scales = torch.zeros(num_layers, 2, dtype=torch.float32)
+            for kv, value in enumerate(fp8_scales):
+                if value is not None:
+                    self.layer_scales[:, kv] = value
+        self.gpu_cache = [self._layer(self.gpu_kv_cache, self.gpu_kv_scales, i) for i in range(num_layers)]
+        self.cpu_cache = [self._layer(self.cpu_kv_cache, self.cpu_kv_scales, i) for i in range(num_layers)]
+
+    def _layer(self, cache: torch.Tensor, scales: torch.Tensor | None, i: int) -> tuple[torch.Tensor, ...]:
+        """What layer i's attention gets: (key_cache, value_cache), plus (k_scale, v_scale) when quantized."""
+        if self.layer_scales is not None:
+            return cache[i, 0], cache[i, 1], self.layer_scales[i, 0], self.layer_scales[i, 1]
+        if scales is not None:
+            return cache[i, 0], cache[i, 1], scales[i, 0], scales[i, 1]
+        return cache[i, 0], cache[i, 1]
+
+    @property
+    def block_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, host) pairs of tensors whose dim 2 is the block: the cache, and the int8 scales."""
+        pairs = [(self.gpu_kv_cache, self.cpu_kv_cache)]
+        if self.gpu_kv_scales is not None:
+            pairs.append((self.gpu_kv_scales, self.cpu_kv_scales))
+        return pairs
 
     @staticmethod
     def block_bytes(num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -88,27 +123,29 @@ class CacheEngine:
         if not mapping:
             return
         src, dst = self._split(mapping, self.num_cpu_blocks, self.num_gpu_blocks)
-        staged = self.cpu_kv_cache.index_select(2, src)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        self.gpu_kv_cache.index_copy_(2, dst.to(self.device), staged.to(self.device, non_blocking=True))
+        for gpu, cpu in self.block_tensors:
+            staged = cpu.index_select(2, src)
+            if self.device.type == "cuda":
+                staged = staged.pin_memory()
+            gpu.index_copy_(2, dst.to(self.device), staged.to(self.device, non_blocking=True))
 
     def swap_out(self, mapping: BlockMapping) -> None:
         """GPU -> CPU, [(gpu_block, cpu_block)]. Synchronous: the GPU blocks may be reused next step."""
         if not mapping:
             return
         src, dst = self._split(mapping, self.num_gpu_blocks, self.num_cpu_blocks)
-        staged = self.gpu_kv_cache.index_select(2, src.to(self.device)).to("cpu")
-        self.cpu_kv_cache.index_copy_(2, dst, staged)
+        for gpu, cpu in self.block_tensors:
+            cpu.index_copy_(2, dst, gpu.index_select(2, src.to(self.device)).to("cpu"))
 
     def copy(self, pairs: BlockMapping) -> None:
-        """Copy-on-write on the GPU cache, every layer, K and V: [(src_block, dst_block)]."""
+        """Copy-on-write on the GPU cache, every layer, K and V (and their int8 scales)."""
         if not pairs:
             return
         src, dst = self._split(pairs, self.num_gpu_blocks, self.num_gpu_blocks)
         src, dst = src.to(self.device), dst.to(self.device)
         # Gather before scatter, so a destination that is also a source reads the old bytes.
-        self.gpu_kv_cache.index_copy_(2, dst, self.gpu_kv_cache.index_select(2, src))
+        for gpu, _ in self.block_tensors:
+            gpu.index_copy_(2, dst, gpu.index_select(2, src))
 
 
 # torch.OutOfMemoryError is torch >= 2.5; torch.cuda's name for it is older

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pagedrun.errors import PagedrunError
+from pagedrun.kv.kv_quant import KVCacheSpec, kv_cache_spec
 from pagedrun.kv.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20
@@ -141,8 +142,12 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes(dtype)
 
 
-def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype) -> int:
-    return model_cfg.kv_bytes_per_token(dtype_bytes(dtype)) * block_size
+def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None) -> int:
+    """One block's bytes, K and V in every layer, as the cache stores them (int8 scales included)."""
+    if kv_spec is None:
+        return model_cfg.kv_bytes_per_token(dtype_bytes(dtype)) * block_size
+    return kv_spec.bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+                                   model_cfg.head_dim) * block_size
 
 
 def attention_scratch_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, elem_bytes: int,
@@ -350,11 +355,12 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
             head_size=model_cfg.head_dim, elem_bytes=dtype_bytes(dtype), block_size=recipe.cache.block_size,
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, paged_decode=backend.name == "cupy")
-    return plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype),
+    kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
+    return plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
                        gather_layers=model_cfg.num_hidden_layers if _gathers_on_decode(backend, device) else None,
-                       elem_bytes=dtype_bytes(dtype), attention_scratch=scratch)
+                       elem_bytes=dtype_bytes(kv_spec.storage), attention_scratch=scratch)
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:

@@ -129,7 +129,7 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -141,8 +141,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        key_cache, value_cache = kv_cache
-        out = backend.forward(q, k, v, key_cache, value_cache, meta, scale=self.scale)
+        # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
+        key_cache, value_cache, *kv_scales = kv_cache
+        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

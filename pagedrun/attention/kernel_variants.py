@@ -1,0 +1,146 @@
+"""Which compiled kernels exist: one KernelVariant per (model dtype, KV-cache dtype, head size, block
+size), and the template names (name expressions) NVRTC / the emulator instantiate for it.
+
+The KV-cache dtype (issue 18) is the last template argument of the attention and cache kernels,
+defaulted to kAuto in kernels/*.cu, so an unquantized variant keeps the names it always had.
+bfloat16 has no numpy dtype: bf16 tensors travel as int16/uint16 views and the variant's `dtype`
+says how the kernel reads them; fp8 caches travel as uint8 bit patterns, int8 caches as int8.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+NUM_THREADS = 128
+WARP_SIZE = 32
+PARTITION_SIZE = 512
+
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+# dtype name -> (C type in the kernel, numpy dtype of the arrays handed to it)
+DTYPES: dict[str, tuple[str, Any]] = {
+    "float16": ("__half", np.float16),
+    "bfloat16": ("__nv_bfloat16", np.uint16),
+    "float32": ("float", np.float32),
+}
+# KV-cache dtype -> (KvCacheDtype enumerator, C element type, numpy dtype of the cache arrays);
+# "auto" stores the model dtype (element type and numpy dtype: DTYPES[dtype]).
+KV_DTYPES: dict[str, tuple[str, str | None, Any]] = {
+    "auto": ("pagedrun::KvCacheDtype::kAuto", None, None),
+    "fp8_e4m3": ("pagedrun::KvCacheDtype::kFp8E4M3", "unsigned char", np.uint8),
+    "fp8_e5m2": ("pagedrun::KvCacheDtype::kFp8E5M2", "unsigned char", np.uint8),
+    "int8": ("pagedrun::KvCacheDtype::kInt8", "signed char", np.int8),
+}
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
+# the recipe's spellings that name one of the above
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    dtype: str  # model dtype: float16 | bfloat16 | float32 (query, output, new K/V)
+    head_size: int
+    block_size: int
+    kv_dtype: str = "auto"  # how the cache stores K/V: auto (= dtype) | fp8_e4m3 | fp8_e5m2 | int8
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"kernel dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.head_size not in HEAD_SIZES:
+            raise ValueError(f"head_size {self.head_size}: compiled head sizes are {HEAD_SIZES}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size {self.block_size}: compiled block sizes are {BLOCK_SIZES}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv cache dtype {self.kv_dtype!r}: the CUDA kernels support {', '.join(KV_DTYPES)}")
+
+    @property
+    def ctype(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def np_dtype(self) -> Any:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    @property
+    def cache_ctype(self) -> str:
+        return KV_DTYPES[self.kv_dtype][1] or self.ctype
+
+    @property
+    def cache_np_dtype(self) -> Any:
+        return KV_DTYPES[self.kv_dtype][2] or self.np_dtype
+
+    @property
+    def _kv_arg(self) -> str:
+        """', <enumerator>' for a quantized cache; nothing for auto (the template's default)."""
+        return f", {KV_DTYPES[self.kv_dtype][0]}" if self.quantized else ""
+
+    @property
+    def v1_name(self) -> str:
+        return f"paged_attention_v1_kernel<{self.ctype}, {self.head_size}, {self.block_size}, {NUM_THREADS}{self._kv_arg}>"
+
+    @property
+    def v2_name(self) -> str:
+        return (
+            f"paged_attention_v2_kernel<{self.ctype}, {self.head_size}, {self.block_size}, "
+            f"{NUM_THREADS}, {PARTITION_SIZE}{self._kv_arg}>"
+        )
+
+    @property
+    def reduce_name(self) -> str:  # reads only fp32 partials: one per model dtype, whatever the cache
+        return f"paged_attention_v2_reduce_kernel<{self.ctype}, {self.head_size}, {NUM_THREADS}, {PARTITION_SIZE}>"
+
+    @property
+    def reshape_and_cache_name(self) -> str:
+        return f"reshape_and_cache_kernel<{self.ctype}{self._kv_arg}>"
+
+    @property
+    def copy_blocks_name(self) -> str:
+        return f"copy_blocks_kernel<{self.cache_ctype}>"
+
+    @property
+    def copy_scales_name(self) -> str | None:
+        """int8 caches keep a float scale per row beside each block; CoW copies those too."""
+        return "copy_blocks_kernel<float>" if self.kv_dtype == "int8" else None
+
+    def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
+        """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
+        names = []
+        if "v1" in parts:
+            names.append(self.v1_name)
+        if "v2" in parts:
+            names += [self.v2_name, self.reduce_name]
+        if "cache" in parts:
+            names += [self.reshape_and_cache_name, self.copy_blocks_name]
+            if self.copy_scales_name:
+                names.append(self.copy_scales_name)
+        return names
+
+
+def all_variants(kv_dtypes: tuple[str, ...] = ("auto",)) -> list[KernelVariant]:
+    return [KernelVariant(d, h, b, kv) for kv in kv_dtypes for d in DTYPES for h in HEAD_SIZES for b in BLOCK_SIZES]
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch or numpy dtype -> 'float16' | 'bfloat16' | 'float32'."""
+    name = str(dtype).replace("torch.", "")
+    if name in DTYPES:
+        return name
+    raise ValueError(f"KV cache dtype {dtype}: the kernels support {', '.join(DTYPES)}")
+
+
+def kv_dtype_name(kv_cache_dtype: str | None) -> str:
+    """The recipe's cache.kv_cache_dtype -> a KV_DTYPES key; a full-precision dtype equal to the
+    model's is "auto" (callers check that it is the model's)."""
+    name = KV_DTYPE_ALIASES.get(kv_cache_dtype or "auto", kv_cache_dtype or "auto")
+    if name in DTYPES:
+        return "auto"
+    if name not in KV_DTYPES:
+        raise ValueError(f"cache.kv_cache_dtype {kv_cache_dtype!r}: the CUDA kernels support "
+                         f"auto, {', '.join(DTYPES)}, fp8, {', '.join(QUANTIZED_KV_DTYPES)}")
+    return name
