@@ -267,7 +267,7 @@ def test_generate_summary_fits_80_columns_and_folds_a_long_path():
 
     from pagedrun.run_output import print_summary
 
-    results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7)] * 3
+    results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7, metrics={})] * 3
     path = Path("/data/" + "x" * 120 + "/outputs.jsonl")
     console = Console(file=io.StringIO(), width=WIDTH, color_system=None)
     print_summary(console, results, 123_456.78, path, _summary_report(), invalid=[])
