@@ -85,7 +85,7 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         "memory_plan": m.to_dict(),
         "kv_capacity": {"blocks": m.num_gpu_blocks, "block_size": bs, "tokens": m.token_capacity,
                         "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token,
-                        "kv_cache_dtype": engine.kv_spec.name},
+                        "kv_cache_dtype": m.kv_cache_dtype},
         "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
                           "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
                           "cached_free_peak": max((s.blocks_cached_free for s in steps), default=0)},

@@ -53,6 +53,7 @@ class MemoryPlan:
     # sequences into float32 copies; with a full cache that is about 2 x 4/elem x KV / layers.
     # 0 when the backend reads the cache in place (the CUDA kernels).
     decode_gather_bytes: int = 0
+    kv_cache_dtype: str = ""  # how the cache stores K/V (kv/kv_quant.py), resolved; "" = not given
     # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
     # the profile pass exercised, at max_model_len (attention_scratch_bytes); inside the budget.
     attention_scratch_bytes: int = 0
@@ -356,11 +357,13 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, paged_decode=backend.name == "cupy")
     kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
-    return plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
+    plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
                        gather_layers=model_cfg.num_hidden_layers if _gathers_on_decode(backend, device) else None,
                        elem_bytes=dtype_bytes(kv_spec.storage), attention_scratch=scratch)
+    plan.kv_cache_dtype = kv_spec.name
+    return plan
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:
