@@ -22,9 +22,11 @@ def resident_pages(addr: int, length: int) -> list[bool]:
 
 
 def test_populates_a_prefix_of_blocks_in_every_plane():
-    # 2 layers x (K, V) x 512 blocks x 16 KiB: 64 MiB, above glibc's mmap threshold, so untouched
-    # pages are not resident until written.
-    cache = torch.empty(2, 2, 512, 16, 4, 64, dtype=torch.float32)
+    # 2 layers x (K, V) x 512 blocks x 16 KiB: 64 MiB in a fresh anonymous mapping of its own, so
+    # no page is resident until written (torch.empty may reuse heap memory other tests touched).
+    shape = (2, 2, 512, 16, 4, 64)
+    mapping = mmap.mmap(-1, 4 * 2 * 2 * 512 * 16 * 4 * 64)
+    cache = torch.frombuffer(mapping, dtype=torch.float32).view(shape)
     pop = CachePopulator([cache], chunk_blocks=8)
     if not pop.active:  # a kernel before 5.14: the populator must say so and do nothing
         assert pop.disabled_reason and pop.populated == 0
