@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -32,7 +33,10 @@ def run_isolated(spec: dict) -> dict:
                                str(spec_path), str(out_path)], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise PagedrunError(f"bench: {spec['engine']} ({spec.get('config', '')}) failed: " + " | ".join(tail))
+            # pagedrun's own one-line errors (a recipe the engine refuses) as that line, not a traceback
+            ours = re.match(r"^pagedrun\.[\w.]*Error: (.+)$", tail[-1]) if tail else None
+            detail = ours.group(1) if ours else " | ".join(tail)
+            raise PagedrunError(f"bench: {spec['engine']} ({spec.get('config', '')}) failed: {detail}")
         row = json.loads(out_path.read_text())
     row["memory_isolated"] = True
     return row
