@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedrun.errors import PagedrunError
+from pagedrun.input_files import open_input
 from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.outputs import Key, request_key
 from pagedrun.io.requests import OPENAI, InvalidRequest, LineChecker, LineFailure, Request
@@ -44,15 +45,7 @@ class RequestStream:
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(line number, bytes) of each non-blank line, read a line at a time."""
-        try:
-            f = self.path.open("rb")
-        except FileNotFoundError:
-            raise PagedrunError(f"{self.path.name}: prompts file not found ({self.path})") from None
-        except IsADirectoryError:
-            raise PagedrunError(f"{self.path.name}: is a directory, not a prompts file ({self.path})") from None
-        except OSError as e:
-            raise PagedrunError(f"{self.path.name}: cannot read prompts file: {e.strerror}") from None
-        with f:
+        with open_input(self.path, "prompts") as f:
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM some editors write
                     raw = raw[3:]
