@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedrun.engine.model_runner import ModelInput, ModelRunner
+from pagedrun.engine.occupancy import occupancy
 from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -366,37 +367,7 @@ class LLMEngine:
         ))
 
     def _occupancy(self) -> dict:
-        """Slots holding computed KV and slots assigned to tokens, each distinct block counted once
-        (forked children and prefix hits share blocks), tokens held per sequence, and the contiguous
-        reservation the same sequences would need (the report's what-if; computed, not allocated).
-
-        Per sequence the unshared blocks hold exactly its computed / assigned tokens; only shared
-        blocks (a leading run of each table, KVCacheManager.shared_prefix_blocks) need the
-        per-block max over their holders. So the cost per step is the number of running sequences
-        plus shared blocks, not every block of every table."""
-        bs = self.kv.block_size
-        stored = assigned = logical = reserved = 0
-        shared: dict[int, list[tuple[int, int]]] = {}  # block -> (assigned, stored) per holder
-        for g in self.scheduler.running:
-            want = min(g.prompt_len + g.sampling.max_tokens, self.max_model_len)
-            for seq in g.unfinished_seqs():
-                computed = seq.num_computed_tokens
-                slots = self.kv.get_num_tokens(seq.seq_id)
-                logical += computed
-                reserved += want
-                stored += computed
-                assigned += slots
-                for i, b in enumerate(self.kv.shared_prefix_blocks(seq.seq_id)):
-                    shared.setdefault(b, []).append((min(bs, max(0, slots - i * bs)),
-                                                     min(bs, max(0, computed - i * bs))))
-        for fills in shared.values():  # counted once per holder above; keep the fullest holder's
-            a = [f[0] for f in fills]
-            c = [f[1] for f in fills]
-            assigned -= sum(a) - max(a)
-            stored -= sum(c) - max(c)
-        return {"tokens_stored": stored, "tokens_assigned": assigned,
-                "tokens_logical": logical, "reserved_contiguous_tokens": reserved,
-                "num_running_requests": len(self.scheduler.running)}
+        return occupancy(self.scheduler.running, self.kv, self.max_model_len)
 
 
 def _round(x: float) -> float:
