@@ -71,6 +71,7 @@ def run_one(model: Path, prompts: Path, out: Path, sets: list[str], time_limit: 
     cmd = [sys.executable, "-m", "pagedrun", "generate", str(prompts), "-o", str(out), "-q", "--overwrite",
            "--set", f"model.path={model}", *[x for s in sets for x in ("--set", s)]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out.unlink(missing_ok=True)  # an earlier run's output would count as this run's first line
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     first_line = None
