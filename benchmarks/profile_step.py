@@ -60,9 +60,32 @@ def main() -> None:
     backend_cls = type(eng.backend)
     orig_forward = backend_cls.forward
     backend_cls.forward = timed("attention (incl. cache writes)", orig_forward)
+
+    def attention_split(self, query, key, value, key_cache, value_cache, meta, *a, **k):
+        # decode-only steps read the cache; steps with a prefill also do causal attention over prompts
+        name = "  of which decode-only steps" if meta.is_decode_only else "  of which steps with prefill"
+        t = time.perf_counter()
+        try:
+            return orig_forward(self, query, key, value, key_cache, value_cache, meta, *a, **k)
+        finally:
+            timers[name] += time.perf_counter() - t
+    backend_cls.forward = timed("attention (incl. cache writes)", attention_split)
+
+    def timed_linear(fn):
+        def wrapper(x, *a, **k):
+            rows = x.reshape(-1, x.shape[-1]).shape[0]
+            bucket = "1-2" if rows <= 2 else "3-16" if rows <= 16 else "17-64" if rows <= 64 else "65+"
+            t = time.perf_counter()
+            try:
+                return fn(x, *a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                timers["linear layers (matmul)"] += dt
+                timers[f"  of which {bucket} rows"] += dt
+        return wrapper
     for mod in eng.model.modules():
         if isinstance(mod, torch.nn.Linear):
-            mod.forward = timed("linear layers (matmul)", mod.forward)
+            mod.forward = timed_linear(mod.forward)
     eng.model.compute_logits = timed("lm head", eng.model.compute_logits)
     eng.runner.execute = timed("model step (total)", eng.runner.execute)
     eng.step = timed("engine step (total)", eng.step)
@@ -83,8 +106,13 @@ def main() -> None:
           f"{out_tokens / wall:.1f} output tok/s, {(prompt_tokens + out_tokens) / wall:.1f} total tok/s, "
           f"{len(eng.steps)} steps, threads={args.threads}")
     total = timers["engine step (total)"]
-    for k, v in sorted(timers.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:32s} {v:8.3f}s  {100 * v / total:5.1f}% of step time")
+    parts = sorted((k for k in timers if not k.startswith("  ")), key=lambda k: -timers[k])
+    for k in parts:
+        print(f"  {k:32s} {timers[k]:8.3f}s  {100 * timers[k] / total:5.1f}% of step time")
+        prefix = {"attention (incl. cache writes)": ("  of which decode", "  of which steps"),
+                  "linear layers (matmul)": ("  of which 1", "  of which 3", "  of which 17", "  of which 65")}
+        for sub in sorted(s for s in timers if s.startswith(prefix.get(k, ("\0",)))):
+            print(f"  {sub:32s} {timers[sub]:8.3f}s  {100 * timers[sub] / total:5.1f}% of step time")
 
 
 if __name__ == "__main__":

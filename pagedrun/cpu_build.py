@@ -5,7 +5,7 @@ $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags
 in a temporary directory and published with an atomic rename, so concurrent processes never load a
 half-written library; a cached library is loaded only if this user built it and it is unchanged
 (pagedrun/build_cache.py). The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
--mavx512bf16, each only when this CPU has them).
+-mavx512bf16, -mamx-tile -mamx-bf16, each only when this CPU has them).
 
 No torch extension machinery: the libraries take raw data pointers and int64 sizes, so each builds in
 about a second and needs nothing but g++ (or $PAGEDRUN_CXX).
@@ -40,7 +40,7 @@ def machine_flags(cpuinfo: str | None = None) -> list[str]:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return []
-    found = set(re.findall(r"\b(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_bf16)\b", cpuinfo))
+    found = set(re.findall(r"\b(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_bf16|amx_tile|amx_bf16)\b", cpuinfo))
     flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
     if "f16c" in found:
         flags.append("-mf16c")
@@ -50,6 +50,9 @@ def machine_flags(cpuinfo: str | None = None) -> list[str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
         if "avx512_bf16" in found:
             flags.append("-mavx512bf16")
+        # AMX tiles for the bf16 GEMM (kernels/cpu/amx_bf16.h), Sapphire Rapids and later.
+        if {"amx_tile", "amx_bf16"} <= found:
+            flags += ["-mamx-tile", "-mamx-bf16"]
     return flags
 
 

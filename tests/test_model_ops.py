@@ -107,7 +107,12 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     packed = ops.pack_weight(w)
     assert packed.shape == (-(-n // kern.panel), k // 2, kern.panel, 2) and packed.dtype == torch.bfloat16
     assert torch.equal(ops.unpack_weight(packed, n), w)
-    got = ops.linear_packed(x, packed, b, n)
+    amx = kern.lib.packed_gemm_amx(-1)
+    try:
+        kern.lib.packed_gemm_amx(0)  # the vector path: AMX tiles sum in their own order (below)
+        got = ops.linear_packed(x, packed, b, n)
+    finally:
+        kern.lib.packed_gemm_amx(amx)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     want = x.double() @ w.double().T + b.double()
     # half an ulp of bf16 (2^-8 relative) for the final rounding, plus fp32 summation error
@@ -120,6 +125,29 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     assert narrow.lib.linear_packed_bf16(x.data_ptr(), packed8.contiguous().data_ptr(), b.data_ptr(), out8.data_ptr(),
                                          m, n, k, k, n, 2) == 0
     assert torch.equal(out8, got)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 1000, 576), (16, 64, 32), (17, 96, 1536), (64, 333, 64), (300, 40, 512),
+                                   (40, 49152 // 64, 576)])
+def test_linear_packed_bf16_on_amx_tiles_matches_float64(kern, m, n, k):
+    """Where the CPU has AMX (amx_tile + amx_bf16), bf16 GEMMs of >= 3 rows run on tiles: row counts
+    that are not a multiple of 16 (a zero-padded copy), a partial last panel, a bias. Same bound as the
+    vector path; the tiles' sums are fp32 in their own order, so no bit equality is asked."""
+    if not kern.amx:
+        pytest.skip("this CPU (or kernel) has no AMX tiles: the vector path above is the bf16 GEMM")
+    g = _gen(7 * m + n + k)
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # a row stride of 2k, not k
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    got = ops.linear_packed(x, ops.pack_weight(w), b, n)
+    want = x.double() @ w.double().T + b.double()
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * k**0.5).all()
+    # K not a multiple of 32 leaves the tiles for the vector path, which still answers
+    x2 = x[:, :k - 2].contiguous()
+    w2 = w[:, :k - 2].contiguous()
+    got2 = ops.linear_packed(x2, ops.pack_weight(w2), None, n)
+    want2 = x2.double() @ w2.double().T
+    assert ((got2.double() - want2).abs() <= want2.abs() * 2**-8 + 1e-5 * k**0.5).all()
 
 
 def test_bf16_odd_k_and_mixed_dtypes_take_the_torch_path(kern):

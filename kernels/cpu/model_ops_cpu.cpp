@@ -210,12 +210,34 @@ inline void bf16_tile_rows(int mr, const uint16_t* x, int64_t ldx, const int32_t
 
 PR_EXPORT int packed_gemm_has_bf16_dot() { return kBf16Dot ? 1 : 0; }
 
+#include "amx_bf16.h"
+
+#ifdef PR_HAVE_AMX
+bool g_use_amx = true;
+#endif
+
+// Whether linear_packed_bf16 runs on AMX tiles at >= kAmxMinRows (3) rows: `on` = 1 or 0 sets it (the
+// tests switch it off to compare the vector paths bit for bit), -1 only asks. 0 where the library
+// was built without AMX or the kernel refuses the process its tile state.
+PR_EXPORT int packed_gemm_amx(int on) {
+#ifdef PR_HAVE_AMX
+  if (on >= 0) g_use_amx = on != 0;
+  return g_use_amx && amx_permitted() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T (+ bias), all bf16 (uint16 bits),
 // w packed in k pairs: [ceil(N / kPanel), K / 2, kPanel] int32 words. K must be even.
 PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
                                  int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
   if (M < 0 || N <= 0 || K <= 0 || K % 2 || ldx < K || ldo < N) return -1;
   if (num_threads < 1) num_threads = 1;
+#ifdef PR_HAVE_AMX
+  if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
+#endif
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
   int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(uint16_t)));
   row_chunk = row_chunk < kTileMBf16 ? kTileMBf16 : row_chunk / kTileMBf16 * kTileMBf16;

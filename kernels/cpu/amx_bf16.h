@@ -1,0 +1,151 @@
+// The bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later: amx_tile + amx_bf16), for
+// kernels/cpu/model_ops_cpu.cpp's linear_packed_bf16. Compiled only where pagedrun/cpu_build.py
+// passes -mamx-tile -mamx-bf16 (the CPU has both); used only once the kernel has granted the process
+// the AMX register state (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM).
+//
+// Why: a vdpbf16ps core does 32 bf16 products per instruction; one TDPBF16PS does 16 x 16 x 32.
+// At a decode step's 8-64 rows the vector GEMM stops near 200 GFLOP/s on a 2-core Sapphire Rapids,
+// the tiles reach several times that (docs/benchmarks.md).
+//
+// No new weight layout: the packed bf16 panels ([N / 32][K / 2][32] words, a word = the two bf16 of
+// one column at k = 2p, 2p + 1) already are AMX's "VNNI" B layout. Rows p0..p0+15 of a panel, 16
+// columns wide, are one B tile of 16 rows x 64 bytes at a row stride of 128 bytes; the panel's other
+// 16 columns are the tile 64 bytes further. x supplies A tiles (16 rows x 32 bf16) at its own stride.
+//
+//   C tiles (fp32, 16 x 16)     tile 0 = A0 . B0   tile 1 = A0 . B1      A0 = x rows m..m+15
+//                               tile 2 = A1 . B0   tile 3 = A1 . B1      A1 = x rows m+16..m+31
+//   for each 32 k: load A0 A1 (tiles 4, 5), B0 B1 (tiles 6, 7), 4 x TDPBF16PS
+//
+// Sums are fp32 over pairs of exact bf16 products, as on the vector path, but in the tile unit's
+// own order (and with bf16 denormals read as zero), so bits may differ from the vector path's;
+// tests/test_model_ops.py holds both to the same float64 bound.
+#pragma once
+
+// (Not in the 8-wide test build, PR_GEMM_VEC8, whose panels are 16 columns.)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(PR_GEMM_VEC8)
+#define PR_HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+namespace {
+
+static_assert(kPanel == 32, "AMX B tiles are 16 columns, two per 32-column panel");
+
+// Rows of x below which the vector kernel wins (measured: tiles ahead from 3 rows, behind at 1-2;
+// a tile pass costs the same at 1 row as at 16).
+constexpr int64_t kAmxMinRows = 3;
+
+// The kernel hands a process the 8 KiB tile state only on request (Linux >= 5.16).
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes; loaded once per thread per call (the config is per-thread state).
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [m, m + 16 * blocks) of x (blocks = 1 or 2) times panel (its kPanel columns, K2 pairs), the
+// fp32 sums stored into acc [32][kPanel].
+template <int Blocks>
+inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int64_t K2, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Blocks == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t p = 0; p < K2; p += 16) {
+    _tile_loadd(4, x + 2 * p, ldx * 2);
+    if constexpr (Blocks == 2) _tile_loadd(5, x + 16 * ldx + 2 * p, ldx * 2);
+    _tile_loadd(6, panel + p * kPanel, kPanel * 4);
+    _tile_loadd(7, panel + p * kPanel + 16, kPanel * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Blocks == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, kPanel * 4);
+  _tile_stored(1, acc + 16, kPanel * 4);
+  if constexpr (Blocks == 2) {
+    _tile_stored(2, acc + 16 * kPanel, kPanel * 4);
+    _tile_stored(3, acc + 16 * kPanel + 16, kPanel * 4);
+  }
+}
+
+// linear_packed_bf16 on tiles; false (nothing written) where they cannot take it: fewer rows than
+// kAmxMinRows, K not a multiple of 32, or no AMX permission.
+inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
+                                   int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < kAmxMinRows || K % 32 || !amx_permitted()) return false;
+  // A tiles read 16 whole rows: a row count that is not a multiple of 16 goes through a zero-padded copy.
+  const int64_t Mpad = (M + 15) / 16 * 16;
+  std::vector<uint16_t> padded;
+  if (Mpad != M) {
+    padded.assign(Mpad * K, 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * K, x + m * ldx, K * 2);
+    x = padded.data();
+    ldx = K;
+  }
+  const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
+  // Rows in chunks that stay in L2 while every panel passes over them (as the vector kernels).
+  int64_t row_chunk = kXBytesInL2 / (K * 2) / 32 * 32;
+  if (row_chunk < 32) row_chunk = 32;
+#pragma omp parallel num_threads(num_threads)
+  {
+    amx_configure();
+    alignas(64) float acc[32 * kPanel];
+    for (int64_t m0 = 0; m0 < Mpad; m0 += row_chunk) {
+      const int64_t m1 = m0 + row_chunk < Mpad ? m0 + row_chunk : Mpad;
+#pragma omp for schedule(static)
+      for (int64_t q = 0; q < num_panels; ++q) {
+        const int32_t* panel = packed + q * K2 * kPanel;
+        const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+        for (int64_t m = m0; m < m1; m += 32) {
+          const bool two = m + 32 <= m1;
+          if (two) amx_block<2>(x + m * ldx, ldx, panel, K2, acc);
+          else amx_block<1>(x + m * ldx, ldx, panel, K2, acc);
+          const int64_t rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
+          for (int64_t i = 0; i < rows; ++i) {
+            uint16_t* o = out + (m + i) * ldo + n0;
+            const float* a = acc + i * kPanel;
+            if (cols == kPanel) {
+              const vgf b0 = bias ? load_bf16_v(bias + n0) : vgf{}, b1 = bias ? load_bf16_v(bias + n0 + kVec) : vgf{};
+              store_bf16_v(o, bias ? load_v(a) + b0 : load_v(a));
+              store_bf16_v(o + kVec, bias ? load_v(a + kVec) + b1 : load_v(a + kVec));
+            } else {
+              for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(bias ? a[j] + bf16_to_f32(bias[n0 + j]) : a[j]);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+  return true;
+}
+
+}  // namespace
+#endif
