@@ -27,6 +27,13 @@ def test_fma_peak_counts_the_isa_it_was_built_for():
     # bf16 dot products only where the build has avx512_bf16; otherwise bf16 runs on the fp32 roof.
     assert bf16["bf16_dot"] == ("-mavx512bf16" in flags)
     assert fp32["bf16_dot"] is False
+    # AMX tiles only where the build has them (and then the bf16 GEMM runs on them too).
+    from pagedrun.models import ops
+    assert fp32["amx"] is False
+    assert bf16["amx"] == ("-mamx-bf16" in flags and ops.load() is not None and ops.load().amx)
+    if bf16["amx"]:
+        # a tile op is 16 x 16 x 32 products: far above any vector roof
+        assert bf16["flops_per_s"] > 4 * fp32["flops_per_s"]
 
 
 def test_machine_flags_follow_cpuinfo():
@@ -35,6 +42,9 @@ def test_machine_flags_follow_cpuinfo():
     wide = base + " avx512f avx512bw avx512vl avx512dq"
     assert "-mavx512f" in cpu_build.machine_flags(wide) and "-mavx512bf16" not in cpu_build.machine_flags(wide)
     assert "-mavx512bf16" in cpu_build.machine_flags(wide + " avx512_bf16")
+    amx = cpu_build.machine_flags(wide + " avx512_bf16 amx_tile amx_bf16")
+    assert amx[-2:] == ["-mamx-tile", "-mamx-bf16"]
+    assert "-mamx-tile" not in cpu_build.machine_flags(wide + " avx512_bf16 amx_bf16")  # both, or neither
     # AVX-512 without AVX2 + FMA is no machine we build for: nothing wide then.
     assert cpu_build.machine_flags("flags : sse2 avx512f avx512bw avx512vl avx512dq") == []
 

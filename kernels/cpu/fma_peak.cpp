@@ -6,12 +6,18 @@
 // same way could do. 12 chains cover an FMA latency of 4-6 cycles on two ports (a chain must not wait
 // for its previous result). The bf16 roof uses vdpbf16ps (2 products per fp32 lane per instruction)
 // where the build has avx512_bf16, else it is the fp32 roof: that is the arithmetic a bf16 model's
-// matmuls then run on.
+// matmuls then run on. Where the build has AMX (and the kernel grants the tile state), the bf16 GEMM
+// runs on tiles (kernels/cpu/amx_bf16.h), so the bf16 roof is TDPBF16PS instead: 4 independent
+// accumulator tiles from 4 operand tiles held in the tile registers, no memory traffic either.
 
 #include <cstdint>
 
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
@@ -75,7 +81,57 @@ float bf16_chains(int64_t iters, float seed) {
 constexpr bool kHasBf16Dot = false;
 float bf16_chains(int64_t iters, float seed) { return fp32_chains(iters, seed); }
 #endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+bool amx_permitted() {  // as kernels/cpu/amx_bf16.h: Linux hands out the tile state on request
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// iters rounds of 4 TDPBF16PS (16 x 16 x 32 products each) into tiles 0-3 from tiles 4-7.
+float amx_chains(int64_t iters) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t ops[16 * 32];
+  for (auto& x : ops) x = 0x3a83;  // bf16 1e-3: each round adds 32e-6 to every accumulator
+  _tile_loadd(4, ops, 64);
+  _tile_loadd(5, ops, 64);
+  _tile_loadd(6, ops, 64);
+  _tile_loadd(7, ops, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[16 * 16];
+  _tile_stored(0, c, 64);
+  _tile_release();
+  return c[0];
+}
+bool has_amx() { return amx_permitted(); }
+constexpr double kAmxFlopsPerRound = 4.0 * 16 * 16 * 32 * 2;
+#else
+bool has_amx() { return false; }
+float amx_chains(int64_t) { return 0; }
+constexpr double kAmxFlopsPerRound = 0;
+#endif
 }  // namespace
+
+// 1 when the bf16 roof is AMX tiles (the build has AMX and the kernel granted the tile state).
+PR_EXPORT int fma_peak_has_amx() { return has_amx() ? 1 : 0; }
 
 // fp32 lanes per vector of this build (16: AVX-512, 8: AVX2 + FMA, 4: neither).
 PR_EXPORT int fma_peak_lanes() { return kLanes; }
@@ -87,10 +143,13 @@ PR_EXPORT int fma_peak_has_bf16_dot() { return kHasBf16Dot ? 1 : 0; }
 // that depends on every chain, so the compiler cannot drop the work.
 PR_EXPORT double fma_peak_run(int64_t iters, int num_threads, int bf16, float* sink) {
   if (iters <= 0 || num_threads < 1) return -1;
+  const bool amx = bf16 && has_amx();
   float total = 0;
 #pragma omp parallel for num_threads(num_threads) reduction(+ : total) schedule(static, 1)
-  for (int t = 0; t < num_threads; ++t) total += bf16 ? bf16_chains(iters, float(t)) : fp32_chains(iters, float(t));
+  for (int t = 0; t < num_threads; ++t)
+    total += amx ? amx_chains(iters) : bf16 ? bf16_chains(iters, float(t)) : fp32_chains(iters, float(t));
   if (sink) *sink = total;
+  if (amx) return kAmxFlopsPerRound * double(iters) * num_threads;
   const double per_round = double(kChains) * kLanes * 2 * (bf16 && kHasBf16Dot ? 2 : 1);
   return per_round * double(iters) * num_threads;
 }
