@@ -32,6 +32,11 @@ class Linear(nn.Linear):
     """nn.Linear whose weight, once packed after loading, is in the CPU GEMM kernel's panel layout
     ([N / 16, K, 16] instead of [N, K]: the weight tensor's shape says which)."""
 
+    def reset_parameters(self) -> None:
+        # load_weights() sets every weight. torch's random init, even on the meta device, costs
+        # nothing but a first-call import of torch's decompositions: 0.95 s of start-up.
+        pass
+
     def process_weights_after_loading(self) -> None:
         packed = ops.pack_weight(self.weight.data)
         if packed is not None:
@@ -47,6 +52,9 @@ class VocabEmbedding(nn.Embedding):
     """nn.Embedding whose table may be packed like a Linear weight ([V / 16, H, 16]): with tied
     embeddings the table is also the LM head, and the head's GEMM wants it packed. A lookup then
     gathers token v's row from its panel: packed[v // panel, :, v % panel], the same values."""
+
+    def reset_parameters(self) -> None:
+        pass  # as Linear's: load_weights() sets the table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() >= 3:  # [V/panel, H, panel] or, bf16, [V/panel, H/2, panel, 2]
@@ -209,16 +217,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        # Build on the meta device and allocate afterwards: random init of every weight would cost
-        # seconds for nothing, since load_weights() overwrites all of them.
-        with torch.device("meta"):
+        # Weights are allocated uninitialised (Linear and VocabEmbedding skip torch's random init:
+        # load_weights() overwrites them all). Not on the meta device and then to_empty(): that
+        # route imports sympy through torch's decompositions, 0.3-0.95 s of start-up.
+        with torch.device(device):
             self.model = LlamaModel(config, dtype)
             self.lm_head = (
                 None
                 if config.tie_word_embeddings
                 else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
-        self.to_empty(device=device)
         self.rotary_emb = RotaryEmbedding(config).to(device)
 
     # no_grad, not inference_mode: inference tensors cannot be modified in place later (the
