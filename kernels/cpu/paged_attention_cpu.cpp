@@ -80,7 +80,8 @@ enum KvKind : int { kKvPlain = 0, kKvFp8 = 1, kKvInt8 = 2 };
 template <typename T>
 struct PlainKv {
   using E = T;
-  static constexpr bool kInPlace = std::is_same<T, float>::value;
+  // fp32 and bf16 rows are read in place (bf16 widened in registers by Vec::load); fp16 through widen().
+  static constexpr bool kInPlace = std::is_same<T, float>::value || std::is_same<T, BF16>::value;
   void widen(const E* src, float* dst, int64_t hd, int64_t, int64_t) const {
     for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]);
   }
@@ -143,6 +144,10 @@ template <int W> struct Vec;
 template <> struct Vec<8> {
   using T = v8f;
   static T load(const float* p) { return load8(p); }
+  static T load(const BF16* p) {  // 8 bf16 widened in registers (exact: the top half of an fp32)
+    typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
+    return (v8f)(__builtin_convertvector(*reinterpret_cast<const v8u16*>(p), v8i) << 16);
+  }
   static void store(float* p, T x) { store8(p, x); }
   static T splat(float x) { return broadcast8(x); }
   static v8f fold8(T a) { return a; }
@@ -151,6 +156,7 @@ template <> struct Vec<8> {
 template <> struct Vec<16> {
   using T = vgf;
   static T load(const float* p) { return load_v(p); }
+  static T load(const BF16* p) { return load_bf16_v(reinterpret_cast<const uint16_t*>(p)); }
   static void store(float* p, T x) { store_v(p, x); }
   static T splat(float x) { return broadcast_v(x); }
   // Its two halves added: lane i then sums the dimensions i mod 8, in another association than an
@@ -166,13 +172,13 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 
 // s[c] = q . k_c for the keys of whole groups of 8, from c; returns where it stopped. Eight
 // independent FMA chains instead of one latency-bound chain per dot.
-template <int W>
-inline int64_t score_keys_by8(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t c,
+template <int W, typename E>
+inline int64_t score_keys_by8(const float* __restrict q, const E* __restrict k, int64_t kstride, int64_t c,
                               int64_t n, int64_t hd, float* __restrict s) {
   using V = Vec<W>;
   for (; c + 8 <= n; c += 8) {
     typename V::T a[8] = {};
-    const float* kc = k + c * kstride;
+    const E* kc = k + c * kstride;
     for (int64_t d = 0; d < hd; d += W) {
       const typename V::T qv = V::load(q + d);
       for (int j = 0; j < 8; ++j) a[j] += qv * V::load(kc + j * kstride + d);
@@ -184,44 +190,46 @@ inline int64_t score_keys_by8(const float* __restrict q, const float* __restrict
   return c;
 }
 
-// s[c] = q . k_c for keys c < n (rows kstride floats apart), head_size hd (a multiple of 8).
-inline void score_keys(const float* __restrict q, const float* __restrict k, int64_t kstride, int64_t n,
+// s[c] = q . k_c for keys c < n (rows kstride elements apart), head_size hd (a multiple of 8).
+// E: float, or BF16 read in place and widened in registers.
+template <typename E>
+inline void score_keys(const float* __restrict q, const E* __restrict k, int64_t kstride, int64_t n,
                        int64_t hd, float* __restrict s) {
   int64_t c = wide(hd) ? score_keys_by8<kVec>(q, k, kstride, 0, n, hd, s)
                         : score_keys_by8<8>(q, k, kstride, 0, n, hd, s);
   for (; c < n; ++c) {
     v8f a0 = {}, a1 = {};
-    const float* kc = k + c * kstride;
+    const E* kc = k + c * kstride;
     int64_t d = 0;
     for (; d + 16 <= hd; d += 16) {
-      a0 += load8(q + d) * load8(kc + d);
-      a1 += load8(q + d + 8) * load8(kc + d + 8);
+      a0 += load8(q + d) * Vec<8>::load(kc + d);
+      a1 += load8(q + d + 8) * Vec<8>::load(kc + d + 8);
     }
-    if (d < hd) a0 += load8(q + d) * load8(kc + d);
+    if (d < hd) a0 += load8(q + d) * Vec<8>::load(kc + d);
     s[c] = horizontal_sum(a0 + a1);
   }
 }
 
 // acc[0:W*NV] += sum_c p[c] * v_c[0:W*NV], the accumulators held in registers across the keys. Each
 // lane sums over the keys in order, so every W gives the same results.
-template <int W, int NV>
-inline void weighted_sum_block(float* __restrict acc, const float* __restrict p, const float* __restrict v,
+template <int W, int NV, typename E>
+inline void weighted_sum_block(float* __restrict acc, const float* __restrict p, const E* __restrict v,
                                int64_t vstride, int64_t n) {
   using V = Vec<W>;
   typename V::T a[NV];
   for (int i = 0; i < NV; ++i) a[i] = V::load(acc + W * i);
   for (int64_t c = 0; c < n; ++c) {
     const typename V::T w = V::splat(p[c]);
-    const float* vc = v + c * vstride;
+    const E* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) a[i] += w * V::load(vc + W * i);
   }
   for (int i = 0; i < NV; ++i) V::store(acc + W * i, a[i]);
 }
 
 // Rows a and b against the same V rows (each V row loaded once for both).
-template <int W, int NV>
+template <int W, int NV, typename E>
 inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
-                                const float* __restrict pb, const float* __restrict v, int64_t vstride, int64_t n) {
+                                const float* __restrict pb, const E* __restrict v, int64_t vstride, int64_t n) {
   using V = Vec<W>;
   typename V::T a[NV], b[NV];
   for (int i = 0; i < NV; ++i) {
@@ -230,7 +238,7 @@ inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b
   }
   for (int64_t c = 0; c < n; ++c) {
     const typename V::T wa = V::splat(pa[c]), wb = V::splat(pb[c]);
-    const float* vc = v + c * vstride;
+    const E* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) {
       const typename V::T vv = V::load(vc + W * i);
       a[i] += wa * vv;
@@ -260,28 +268,29 @@ inline void by_vectors(int64_t hd, F&& pass) {
   }
 }
 
-template <int W>
-inline void weighted_sum_w(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+template <int W, typename E>
+inline void weighted_sum_w(float* acc, const float* p, const E* v, int64_t vstride, int64_t n, int64_t hd) {
   by_vectors<W, 8>(hd, [&](int64_t d, auto nv) {
     weighted_sum_block<W, decltype(nv)::value>(acc + d, p, v + d, vstride, n);
   });
 }
 
-inline void weighted_sum(float* acc, const float* p, const float* v, int64_t vstride, int64_t n, int64_t hd) {
+template <typename E>
+inline void weighted_sum(float* acc, const float* p, const E* v, int64_t vstride, int64_t n, int64_t hd) {
   if (wide(hd)) return weighted_sum_w<kVec>(acc, p, v, vstride, n, hd);
   weighted_sum_w<8>(acc, p, v, vstride, n, hd);
 }
 
 // Two query rows (heads of one GQA group) against the same keys, whole groups of 4 keys from c:
 // each K row loaded serves both, four keys x two rows = eight FMA chains. Returns where it stopped.
-template <int W>
-inline int64_t score_keys2_by4(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
+template <int W, typename E>
+inline int64_t score_keys2_by4(const float* __restrict qa, const float* __restrict qb, const E* __restrict k,
                                int64_t kstride, int64_t c, int64_t n, int64_t hd, float* __restrict sa,
                                float* __restrict sb) {
   using V = Vec<W>;
   for (; c + 4 <= n; c += 4) {
     typename V::T a[8] = {};
-    const float* kc = k + c * kstride;
+    const E* kc = k + c * kstride;
     for (int64_t d = 0; d < hd; d += W) {
       const typename V::T q0 = V::load(qa + d), q1 = V::load(qb + d);
       for (int j = 0; j < 4; ++j) {
@@ -301,7 +310,8 @@ inline int64_t score_keys2_by4(const float* __restrict qa, const float* __restri
   return c;
 }
 
-inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const float* __restrict k,
+template <typename E>
+inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const E* __restrict k,
                         int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb) {
   const int64_t c = wide(hd) ? score_keys2_by4<kVec>(qa, qb, k, kstride, 0, n, hd, sa, sb)
                              : score_keys2_by4<8>(qa, qb, k, kstride, 0, n, hd, sa, sb);
@@ -313,7 +323,8 @@ inline void score_keys2(const float* __restrict qa, const float* __restrict qb, 
 
 // Both rows' accumulators += their weights times the same V rows: passes of 4 vectors with 8-float
 // vectors (8 accumulators of the 16 AVX registers), of 8 with AVX-512 (16 of its 32).
-inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const float* v,
+template <typename E>
+inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const E* v,
                           int64_t vstride, int64_t n, int64_t hd) {
   if (wide(hd)) {
     by_vectors<kVec, 8>(hd, [&](int64_t d, auto nv) {
@@ -449,12 +460,33 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           }
       }
       const int64_t base = row0 + h * hd;
-      const float *kp, *vp;
-      int64_t kstride;
+      // All rows of token t see the same keys of this chunk (nr of them); kp / vp: its K and V rows,
+      // kstride elements apart, float or bf16.
+      auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
+        for (int64_t t = 0; t < it.ntok; ++t) {
+          const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
+          if (nr <= 0) continue;
+          int64_t r = (h - it.kv0) * head_rows + t * group;
+          for (const int64_t r_end = r + group; r < r_end; r += 2) {
+            if (r + 1 < r_end) {
+              float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
+              float *aa = acc + r * hd, *ab = aa + hd;
+              score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb);
+              softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+              softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
+              weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd);
+            } else {
+              float* sa = s + r * kKeysPerChunk;
+              float* aa = acc + r * hd;
+              score_keys(qf + r * hd, kp, kstride, nr, hd, sa);
+              softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+              weighted_sum(aa, p, vp, kstride, nr, hd);
+            }
+          }
+        }
+      };
       if constexpr (KV::kInPlace) {
-        kp = reinterpret_cast<const float*>(key_cache) + base;
-        vp = reinterpret_cast<const float*>(value_cache) + base;
-        kstride = tok_stride;
+        attend_chunk(key_cache + base, value_cache + base, tok_stride);
       } else {
         float* kb = sc.k.data();
         float* vb = sc.v.data();
@@ -463,31 +495,7 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           kr.widen(key_cache + base + c * tok_stride, kb + c * hd, hd, slot0 + c, h);
           vr.widen(value_cache + base + c * tok_stride, vb + c * hd, hd, slot0 + c, h);
         }
-        kp = kb;
-        vp = vb;
-        kstride = hd;
-      }
-      // All rows of token t see the same keys of this chunk (nr of them).
-      for (int64_t t = 0; t < it.ntok; ++t) {
-        const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
-        if (nr <= 0) continue;
-        int64_t r = (h - it.kv0) * head_rows + t * group;
-        for (const int64_t r_end = r + group; r < r_end; r += 2) {
-          if (r + 1 < r_end) {
-            float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
-            float *aa = acc + r * hd, *ab = aa + hd;
-            score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb);
-            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-            softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
-            weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd);
-          } else {
-            float* sa = s + r * kKeysPerChunk;
-            float* aa = acc + r * hd;
-            score_keys(qf + r * hd, kp, kstride, nr, hd, sa);
-            softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-            weighted_sum(aa, p, vp, kstride, nr, hd);
-          }
-        }
+        attend_chunk(static_cast<const float*>(kb), static_cast<const float*>(vb), hd);
       }
     }
     p0 += n;
