@@ -87,6 +87,9 @@ def main() -> None:
         if isinstance(mod, torch.nn.Linear):
             mod.forward = timed_linear(mod.forward)
     eng.model.compute_logits = timed("lm head", eng.model.compute_logits)
+    from pagedrun.models import ops
+    for name in ("rms_norm", "rope", "silu_and_mul"):  # llama.py calls them as ops.<name>
+        setattr(ops, name, timed(f"elementwise: {name}", getattr(ops, name)))
     eng.runner.execute = timed("model step (total)", eng.runner.execute)
     eng.step = timed("engine step (total)", eng.step)
 

@@ -47,20 +47,26 @@ constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while
 
 // MR rows of x (row stride ldx) times panel rows [k0, k1) into c (row stride ldc): started from
 // zero when `first`, else continued from c; bias added when given (the last slice). `prefetch`:
-// the next slice to pull in from memory while this one computes (the first tile of a slice only).
+// this tile's share of the next slice to pull in from memory while it computes, one panel row
+// (kPanel floats) every `pf_every` k (the slice's tiles each take a share, so the requests are
+// spread over all of its arithmetic: asked for by the first tile alone they came faster than the
+// core's line-fill buffers drain, and its FMAs waited behind them).
 template <int MR>
 inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0,
                         int64_t k1, float* __restrict c, int64_t ldc, bool first, const float* bias,
-                        const float* prefetch) {
+                        const float* prefetch, int pf_every) {
   vgf acc[MR][2];
   for (int i = 0; i < MR; ++i) {
     acc[i][0] = first ? vgf{} : load_v(c + i * ldc);
     acc[i][1] = first ? vgf{} : load_v(c + i * ldc + kVec);
   }
+  int pf_count = 1;
 #pragma GCC unroll 4
   for (int64_t k = k0; k < k1; ++k) {
-    if (prefetch) {
-      for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(prefetch + (k - k0) * kPanel + line / 4);
+    if (prefetch && --pf_count == 0) {
+      pf_count = pf_every;
+      for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(prefetch + line / 4);
+      prefetch += kPanel;
     }
     const vgf w0 = load_v(panel + k * kPanel), w1 = load_v(panel + k * kPanel + kVec);
     for (int i = 0; i < MR; ++i) {
@@ -81,11 +87,13 @@ inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __r
 
 template <int MR>
 inline void packed_tile_rows(int mr, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
-                             float* c, int64_t ldc, bool first, const float* bias, const float* prefetch) {
+                             float* c, int64_t ldc, bool first, const float* bias, const float* prefetch,
+                             int pf_every) {
   if constexpr (MR > 1) {
-    if (mr < MR) return packed_tile_rows<MR - 1>(mr, x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+    if (mr < MR)
+      return packed_tile_rows<MR - 1>(mr, x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch, pf_every);
   }
-  packed_tile<MR>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch);
+  packed_tile<MR>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch, pf_every);
 }
 
 // All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice. The last panel
@@ -98,19 +106,25 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
     const bool first = k0 == 0, last = k1 == K;
-    // Next in this thread's stream: the panel's next slice, else the next panel's first.
-    const float* prefetch = k1 < K ? panel + k1 * kPanel : (q + 1 < num_panels ? panel + K * kPanel : nullptr);
-    for (int64_t m = m0; m < m1; m += kTileM, prefetch = nullptr) {
+    // Next in this thread's stream: the panel's next slice, else the next panel's first (rows
+    // [k1, k1 + kKc) of the packed weight either way: panels are contiguous), shared by the tiles.
+    const float* next = k1 < K || q + 1 < num_panels ? panel + k1 * kPanel : nullptr;
+    const int tiles = int((m1 - m0 + kTileM - 1) / kTileM);
+    const int64_t share = (kKc + tiles - 1) / tiles;  // next-slice rows per tile
+    for (int64_t m = m0, t = 0; m < m1; m += kTileM, ++t) {
       const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
       float* c = out + m * ldo + n0;
+      const float* prefetch = next ? next + t * share * kPanel : nullptr;
+      const int pf_every = int((k1 - k0 + share - 1) / share);
       if (cols == kPanel) {
         packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first,
-                                 last && bias ? bias + n0 : nullptr, prefetch);
+                                 last && bias ? bias + n0 : nullptr, prefetch, pf_every);
         continue;
       }
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < kPanel; ++j) scratch[i * kPanel + j] = !first && j < cols ? c[i * ldo + j] : 0.0f;
-      packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch);
+      packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch,
+                               pf_every);
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < cols; ++j)
           c[i * ldo + j] = scratch[i * kPanel + j] + (last && bias ? bias[n0 + j] : 0.0f);
