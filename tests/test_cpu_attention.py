@@ -164,7 +164,8 @@ def test_large_growing_logits(kern):
 
 
 @pytest.mark.parametrize("head_dim", [8, 24, 56, 256])
-@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2)])  # odd groups: a head left over after pairs
+# Groups the kernel takes in passes of up to 4 rows: 1; 3; 5 = 4 + 1; 7 = 4 + 3.
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2), (10, 2), (14, 2)])
 def test_head_sizes_and_odd_groups(kern, head_dim, heads, kv_heads):
     Case([(0, 20), (11, 1), (5, 7)], 16, heads, kv_heads, head_dim, seed=head_dim).check()
 

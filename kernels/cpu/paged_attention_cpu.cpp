@@ -40,6 +40,7 @@ namespace {
 
 constexpr int kKeysPerChunk = 32;  // keys scored before one softmax update (scores stay in L1)
 constexpr int kRowsPerTile = 64;   // query rows (tokens x group heads) per prefill work item
+constexpr int kMaxGroupRows = 4;   // query rows that share each K/V row loaded (one call of the R-row helpers)
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -177,8 +178,8 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 struct Prefetcher {
   const char *k = nullptr, *v = nullptr;  // the current row's slice, in K and in V
   int64_t stride = 0, bytes = 0, rows = 0, off = 0;
-  inline void step() {
-    if (rows <= 0) return;
+  int per_step = 1;  // lines of K (and of V) per step: the chunk's lines over the steps its loops take
+  inline void line() {
     __builtin_prefetch(k + off);
     __builtin_prefetch(v + off);
     if ((off += 64) >= bytes) {
@@ -188,8 +189,11 @@ struct Prefetcher {
       --rows;
     }
   }
+  inline void step() {
+    for (int i = 0; i < per_step && rows > 0; ++i) line();
+  }
   void drain() {  // what the loops did not ask for
-    while (rows > 0) step();
+    while (rows > 0) line();
   }
 };
 inline void pf_step(Prefetcher* pf) {
@@ -255,31 +259,27 @@ inline void weighted_sum_block(float* __restrict acc, const float* __restrict p,
   for (int i = 0; i < NV; ++i) V::store(acc + W * i, a[i]);
 }
 
-// Rows a and b against the same V rows (each V row loaded once for both).
-template <int W, int NV, typename E>
-inline void weighted_sum2_block(float* __restrict acc_a, float* __restrict acc_b, const float* __restrict pa,
-                                const float* __restrict pb, const E* __restrict v, int64_t vstride, int64_t n,
-                                Prefetcher* pf) {
+// R rows (heads of one GQA group, acc and p rows astride / pstride floats apart) against the same V
+// rows: each V row loaded (and widened) once for all R.
+template <int W, int NV, int R, typename E>
+inline void weighted_sumR_block(float* __restrict acc, int64_t astride, const float* __restrict p, int64_t pstride,
+                                const E* __restrict v, int64_t vstride, int64_t n, Prefetcher* pf) {
   using V = Vec<W>;
-  typename V::T a[NV], b[NV];
-  for (int i = 0; i < NV; ++i) {
-    a[i] = V::load(acc_a + W * i);
-    b[i] = V::load(acc_b + W * i);
-  }
+  typename V::T a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = V::load(acc + r * astride + W * i);
   for (int64_t c = 0; c < n; ++c) {
     pf_step(pf);
-    const typename V::T wa = V::splat(pa[c]), wb = V::splat(pb[c]);
+    typename V::T w[R];
+    for (int r = 0; r < R; ++r) w[r] = V::splat(p[r * pstride + c]);
     const E* vc = v + c * vstride;
     for (int i = 0; i < NV; ++i) {
       const typename V::T vv = V::load(vc + W * i);
-      a[i] += wa * vv;
-      b[i] += wb * vv;
+      for (int r = 0; r < R; ++r) a[r][i] += w[r] * vv;
     }
   }
-  for (int i = 0; i < NV; ++i) {
-    V::store(acc_a + W * i, a[i]);
-    V::store(acc_b + W * i, b[i]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) V::store(acc + r * astride + W * i, a[r][i]);
 }
 
 // hd in passes of at most MaxNV vectors of W floats, so a pass's accumulators stay in registers.
@@ -314,61 +314,61 @@ inline void weighted_sum(float* acc, const float* p, const E* v, int64_t vstride
   weighted_sum_w<8>(acc, p, v, vstride, n, hd, pf);
 }
 
-// Two query rows (heads of one GQA group) against the same keys, whole groups of 4 keys from c:
-// each K row loaded serves both, four keys x two rows = eight FMA chains. Returns where it stopped.
-template <int W, typename E>
-inline int64_t score_keys2_by4(const float* __restrict qa, const float* __restrict qb, const E* __restrict k,
-                               int64_t kstride, int64_t c, int64_t n, int64_t hd, float* __restrict sa,
-                               float* __restrict sb, Prefetcher* pf) {
+// R query rows (heads of one GQA group, q and s rows qstride / sstride floats apart) against the
+// same keys, whole groups of 4 keys from c: each K row loaded (and widened) serves all R, four keys
+// x R rows = 4R FMA chains. Each (row, key) sum is what score_keys_by8 computes for it: the lanes
+// of one vector folded and summed in horizontal_sums8's fixed order, whichever vectors sit beside
+// it. Returns where it stopped.
+template <int W, int R, typename E>
+inline int64_t score_keysR_by4(const float* __restrict q, int64_t qstride, const E* __restrict k, int64_t kstride,
+                               int64_t c, int64_t n, int64_t hd, float* __restrict s, int64_t sstride,
+                               Prefetcher* pf) {
   using V = Vec<W>;
+  constexpr int kSums = (4 * R + 7) / 8 * 8;  // a whole number of horizontal_sums8 calls
   for (; c + 4 <= n; c += 4) {
     pf_step(pf);
-    typename V::T a[8] = {};
+    typename V::T a[kSums] = {};
     const E* kc = k + c * kstride;
     for (int64_t d = 0; d < hd; d += W) {
-      const typename V::T q0 = V::load(qa + d), q1 = V::load(qb + d);
+      typename V::T qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = V::load(q + r * qstride + d);
       for (int j = 0; j < 4; ++j) {
         const typename V::T kv = V::load(kc + j * kstride + d);
-        a[j] += q0 * kv;
-        a[4 + j] += q1 * kv;
+        for (int r = 0; r < R; ++r) a[4 * r + j] += qv[r] * kv;
       }
     }
-    v8f f[8];
-    for (int j = 0; j < 8; ++j) f[j] = V::fold8(a[j]);
-    const v8f r = horizontal_sums8(f);
-    for (int j = 0; j < 4; ++j) {
-      sa[c + j] = r[j];
-      sb[c + j] = r[4 + j];
+    for (int g = 0; g < kSums; g += 8) {
+      v8f f[8];
+      for (int j = 0; j < 8; ++j) f[j] = V::fold8(a[g + j]);
+      const v8f sums = horizontal_sums8(f);
+      for (int j = 0; j < 8 && g + j < 4 * R; ++j) s[((g + j) / 4) * sstride + c + (g + j) % 4] = sums[j];
     }
   }
   return c;
 }
 
-template <typename E>
-inline void score_keys2(const float* __restrict qa, const float* __restrict qb, const E* __restrict k,
-                        int64_t kstride, int64_t n, int64_t hd, float* __restrict sa, float* __restrict sb,
-                        Prefetcher* pf = nullptr) {
-  const int64_t c = wide(hd) ? score_keys2_by4<kVec>(qa, qb, k, kstride, 0, n, hd, sa, sb, pf)
-                             : score_keys2_by4<8>(qa, qb, k, kstride, 0, n, hd, sa, sb, pf);
-  if (c < n) {
-    score_keys(qa, k + c * kstride, kstride, n - c, hd, sa + c);
-    score_keys(qb, k + c * kstride, kstride, n - c, hd, sb + c);
-  }
+template <int R, typename E>
+inline void score_keysR(const float* __restrict q, int64_t qstride, const E* __restrict k, int64_t kstride,
+                        int64_t n, int64_t hd, float* __restrict s, int64_t sstride, Prefetcher* pf) {
+  const int64_t c = wide(hd) ? score_keysR_by4<kVec, R>(q, qstride, k, kstride, 0, n, hd, s, sstride, pf)
+                             : score_keysR_by4<8, R>(q, qstride, k, kstride, 0, n, hd, s, sstride, pf);
+  if (c < n)
+    for (int r = 0; r < R; ++r) score_keys(q + r * qstride, k + c * kstride, kstride, n - c, hd, s + r * sstride + c);
 }
 
-// Both rows' accumulators += their weights times the same V rows: passes of 4 vectors with 8-float
-// vectors (8 accumulators of the 16 AVX registers), of 8 with AVX-512 (16 of its 32).
-template <typename E>
-inline void weighted_sum2(float* acc_a, float* acc_b, const float* pa, const float* pb, const E* v,
-                          int64_t vstride, int64_t n, int64_t hd, Prefetcher* pf = nullptr) {
+// The R rows' accumulators += their weights times the same V rows, in passes that keep R x NV
+// accumulators in registers: 16 of AVX-512's 32, 8 of AVX2's 16.
+template <int R, typename E>
+inline void weighted_sumR(float* acc, int64_t astride, const float* p, int64_t pstride, const E* v, int64_t vstride,
+                          int64_t n, int64_t hd, Prefetcher* pf) {
   if (wide(hd)) {
-    by_vectors<kVec, 8>(hd, [&](int64_t d, auto nv) {
-      weighted_sum2_block<kVec, decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n, pf);
+    by_vectors<kVec, 16 / R>(hd, [&](int64_t d, auto nv) {
+      weighted_sumR_block<kVec, decltype(nv)::value, R>(acc + d, astride, p, pstride, v + d, vstride, n, pf);
     });
     return;
   }
-  by_vectors<8, 4>(hd, [&](int64_t d, auto nv) {
-    weighted_sum2_block<8, decltype(nv)::value>(acc_a + d, acc_b + d, pa, pb, v + d, vstride, n, pf);
+  by_vectors<8, 8 / R>(hd, [&](int64_t d, auto nv) {
+    weighted_sumR_block<8, decltype(nv)::value, R>(acc + d, astride, p, pstride, v + d, vstride, n, pf);
   });
 }
 
@@ -430,7 +430,7 @@ struct Scratch {
     m.resize(rows);
     l.resize(rows);
     s.resize(rows * kKeysPerChunk);
-    p.resize(2 * kKeysPerChunk);
+    p.resize(kMaxGroupRows * kKeysPerChunk);
     k.resize(kKeysPerChunk * hd);
     v.resize(kKeysPerChunk * hd);
   }
@@ -485,6 +485,11 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       pf.stride = tok_stride * (int64_t)sizeof(E);
       pf.bytes = slice_bytes;
       pf.rows = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
+      // Steps the loops below will take for this chunk: per kv head and pass of up to kMaxGroupRows
+      // rows, one per 4 keys scored and one per key summed (a little less for a lone row).
+      const int64_t passes = (it.kv1 - it.kv0) * it.ntok * ((group + kMaxGroupRows - 1) / kMaxGroupRows);
+      const int64_t steps = passes * (n / 4 + n), lines = pf.rows * ((slice_bytes + 63) / 64);
+      pf.per_step = int(steps > 0 ? (lines + steps - 1) / steps : 1);
     }
     for (int64_t h = it.kv0; h < it.kv1; ++h) {
       const int64_t base = row0 + h * hd;
@@ -495,21 +500,31 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
           if (nr <= 0) continue;
           int64_t r = (h - it.kv0) * head_rows + t * group;
-          for (const int64_t r_end = r + group; r < r_end; r += 2) {
-            if (r + 1 < r_end) {
-              float *sa = s + r * kKeysPerChunk, *sb = sa + kKeysPerChunk;
-              float *aa = acc + r * hd, *ab = aa + hd;
-              score_keys2(qf + r * hd, qf + (r + 1) * hd, kp, kstride, nr, hd, sa, sb, &pf);
-              softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-              softmax_chunk(sb, nr, hd, m[r + 1], l[r + 1], ab, p + kKeysPerChunk);
-              weighted_sum2(aa, ab, p, p + kKeysPerChunk, vp, kstride, nr, hd, &pf);
-            } else {
-              float* sa = s + r * kKeysPerChunk;
-              float* aa = acc + r * hd;
-              score_keys(qf + r * hd, kp, kstride, nr, hd, sa, &pf);
-              softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-              weighted_sum(aa, p, vp, kstride, nr, hd, &pf);
+          // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
+          for (const int64_t r_end = r + group; r < r_end;) {
+            const int64_t left = r_end - r;
+            const int rows = int(left >= kMaxGroupRows ? kMaxGroupRows : left);
+            auto pass = [&](auto R) {
+              score_keysR<decltype(R)::value>(qf + r * hd, hd, kp, kstride, nr, hd, s + r * kKeysPerChunk,
+                                             kKeysPerChunk, &pf);
+              for (int j = 0; j < rows; ++j)
+                softmax_chunk(s + (r + j) * kKeysPerChunk, nr, hd, m[r + j], l[r + j], acc + (r + j) * hd,
+                              p + j * kKeysPerChunk);
+              weighted_sumR<decltype(R)::value>(acc + r * hd, hd, p, kKeysPerChunk, vp, kstride, nr, hd, &pf);
+            };
+            switch (rows) {
+              case 4: pass(std::integral_constant<int, 4>{}); break;
+              case 3: pass(std::integral_constant<int, 3>{}); break;
+              case 2: pass(std::integral_constant<int, 2>{}); break;
+              default: {
+                float* sa = s + r * kKeysPerChunk;
+                float* aa = acc + r * hd;
+                score_keys(qf + r * hd, kp, kstride, nr, hd, sa, &pf);
+                softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
+                weighted_sum(aa, p, vp, kstride, nr, hd, &pf);
+              }
             }
+            r += rows;
           }
         }
       };
