@@ -128,7 +128,7 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 576), (16, 64, 32), (17, 96, 1536), (64, 333, 64), (300, 40, 512),
-                                   (40, 49152 // 64, 576)])
+                                   (40, 49152 // 64, 576), (700, 40, 1536)])  # the last: 3 chunks of rows
 def test_linear_packed_bf16_on_amx_tiles_matches_float64(kern, m, n, k):
     """Where the CPU has AMX (amx_tile + amx_bf16), bf16 GEMMs of >= 3 rows run on tiles: row counts
     that are not a multiple of 16 (a zero-padded copy), a partial last panel, a bias. Same bound as the
