@@ -33,14 +33,38 @@ def compiler() -> str:
     return os.environ.get("PAGEDRUN_CXX", "g++")
 
 
+# PAGEDRUN_KERNEL_ISA caps what the kernels are built for, to run an older CPU's code paths on a newer
+# one (benchmarks: bf16 on an AVX2-only core, say): each level also takes away everything above it.
+ISA_LEVELS = {
+    "sse": set(),
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512_bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+}
+
+
+def isa_cap() -> set[str] | None:
+    """The flags PAGEDRUN_KERNEL_ISA allows (None: unset or "native", everything the CPU has)."""
+    level = os.environ.get("PAGEDRUN_KERNEL_ISA", "native").strip().lower()
+    if level in ("", "native"):
+        return None
+    if level not in ISA_LEVELS:
+        raise CacheError(f"PAGEDRUN_KERNEL_ISA={level!r}: expected native or one of {', '.join(ISA_LEVELS)}")
+    return ISA_LEVELS[level]
+
+
 def machine_flags(cpuinfo: str | None = None) -> list[str]:
-    """x86 SIMD flags this CPU supports (the .so never leaves the machine that built it)."""
+    """x86 SIMD flags this CPU supports (the .so never leaves the machine that built it), capped by
+    PAGEDRUN_KERNEL_ISA."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return []
     found = set(re.findall(r"\b(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_bf16|amx_tile|amx_bf16)\b", cpuinfo))
+    cap = isa_cap()
+    if cap is not None:
+        found &= cap
     flags = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= found else []
     if "f16c" in found:
         flags.append("-mf16c")

@@ -49,6 +49,24 @@ def test_machine_flags_follow_cpuinfo():
     assert cpu_build.machine_flags("flags : sse2 avx512f avx512bw avx512vl avx512dq") == []
 
 
+def test_kernel_isa_cap_takes_away_everything_above_it(monkeypatch):
+    from pagedrun.build_cache import CacheError
+
+    full = "flags : sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_tile amx_bf16"
+    monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "avx2")
+    assert cpu_build.machine_flags(full) == ["-mavx2", "-mfma", "-mf16c"]
+    monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "avx512_bf16")
+    assert "-mavx512bf16" in cpu_build.machine_flags(full) and "-mamx-tile" not in cpu_build.machine_flags(full)
+    monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "native")
+    assert "-mamx-bf16" in cpu_build.machine_flags(full)
+    # a cap never adds what the CPU lacks
+    monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "avx512")
+    assert cpu_build.machine_flags("flags : sse2 avx2 fma") == ["-mavx2", "-mfma"]
+    monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "avx9000")
+    with pytest.raises(CacheError, match="PAGEDRUN_KERNEL_ISA"):
+        cpu_build.machine_flags(full)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_flops_count_only_where_logits_are_computed(tmp_path, tied):
     d = make_tiny_model("llama", tmp_path / "m", seed=1, tie_word_embeddings=tied)
