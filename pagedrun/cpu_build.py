@@ -35,15 +35,12 @@ def compiler() -> str:
 
 # PAGEDRUN_KERNEL_ISA caps what the kernels are built for, to run an older CPU's code paths on a newer
 # one (benchmarks: bf16 on an AVX2-only core, say): each level also takes away everything above it.
-ISA_LEVELS = {
-    "sse": set(),
-    "avx2": {"avx2", "fma", "f16c"},
-    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512_bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
-}
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+ISA_LEVELS = {"sse": frozenset(), "avx2": _AVX2, "avx512": _AVX512, "avx512_bf16": _AVX512 | {"avx512_bf16"}}
 
 
-def isa_cap() -> set[str] | None:
+def isa_cap() -> frozenset[str] | None:
     """The flags PAGEDRUN_KERNEL_ISA allows (None: unset or "native", everything the CPU has)."""
     level = os.environ.get("PAGEDRUN_KERNEL_ISA", "native").strip().lower()
     if level in ("", "native"):

@@ -24,23 +24,9 @@
 // (Not in the 8-wide test build, PR_GEMM_VEC8, whose panels are 16 columns.)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(PR_GEMM_VEC8)
 #define PR_HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <vector>
 
-// Weights are prefetched PR_AMX_DIST bytes ahead of the tile loads (a thread's panels are
-// contiguous, so this runs on into its next panel): tile loads of cold memory stall the tile unit,
-// which does not overlap them with its math on its own. Cold-weight decode steps of the default
-// model's 30 layers, 2 threads, same process: 11.5 -> 10.1 ms at 32 rows, 13.0 -> 12.3 at 48,
-// 14.7 -> 13.9 at 64 (2048 and 8192 bytes no better; next-panel prefetch and _MM_HINT_T1 worse).
-#ifndef PR_AMX_HINT
-#define PR_AMX_HINT _MM_HINT_T0
-#endif
-#ifndef PR_AMX_DIST
-#define PR_AMX_DIST 4096
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -50,32 +36,12 @@ static_assert(kPanel == 32, "AMX B tiles are 16 columns, two per 32-column panel
 // a tile pass costs the same at 1 row as at 16).
 constexpr int64_t kAmxMinRows = 3;
 
-// The kernel hands a process the 8 KiB tile state only on request (Linux >= 5.16).
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes; loaded once per thread per call (the config is per-thread state).
-inline void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Weights are prefetched this far ahead of the tile loads (a thread's panels are contiguous, so
+// this runs on into its next panel): tile loads of cold memory stall the tile unit, which does not
+// overlap them with its math on its own. Cold-weight decode steps of the default model's 30 layers,
+// 2 threads, same process: 11.5 -> 10.1 ms at 32 rows, 13.0 -> 12.3 at 48, 14.7 -> 13.9 at 64
+// (2048 and 8192 bytes no better; next-panel prefetch and _MM_HINT_T1 worse).
+constexpr int64_t kAmxPrefetchAhead = 4096;
 
 // Rows [m, m + 16 * blocks) of x (blocks = 1 or 2) times panel (its kPanel columns, K2 pairs), the
 // fp32 sums stored into acc [32][kPanel].
@@ -90,9 +56,9 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int6
   }
   for (int64_t p = 0; p < K2; p += 16) {
     if (prefetch) {
-      // The next panel's rows for this k step (16 x 128 bytes), while this one computes.
+      // The rows kAmxPrefetchAhead bytes past this k step's (16 x 128 bytes).
       const char* pf = prefetch + p * kPanel * 4;
-      for (int line = 0; line < 16 * kPanel * 4; line += 64) _mm_prefetch(pf + line, PR_AMX_HINT);
+      for (int line = 0; line < 16 * kPanel * 4; line += 64) _mm_prefetch(pf + line, _MM_HINT_T0);
     }
     _tile_loadd(4, x + 2 * p, ldx * 2);
     if constexpr (Blocks == 2) _tile_loadd(5, x + 16 * ldx + 2 * p, ldx * 2);
@@ -147,21 +113,14 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
         const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
         for (int64_t m = m0; m < m1; m += 32) {
           const bool two = m + 32 <= m1;
-          const char* pf = PR_AMX_DIST && m == m0 ? reinterpret_cast<const char*>(panel) + PR_AMX_DIST : nullptr;
+          // only the first row block reads the panel from memory; the next ones find it in cache
+          const char* pf = m == m0 ? reinterpret_cast<const char*>(panel) + kAmxPrefetchAhead : nullptr;
           if (two) amx_block<2>(x + m * ldx, ldx, panel, K2, acc, pf);
           else amx_block<1>(x + m * ldx, ldx, panel, K2, acc, pf);
           const int64_t rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
-          for (int64_t i = 0; i < rows; ++i) {
-            uint16_t* o = out + (m + i) * ldo + n0;
-            const float* a = acc + i * kPanel;
-            if (cols == kPanel) {
-              const vgf b0 = bias ? load_bf16_v(bias + n0) : vgf{}, b1 = bias ? load_bf16_v(bias + n0 + kVec) : vgf{};
-              store_bf16_v(o, bias ? load_v(a) + b0 : load_v(a));
-              store_bf16_v(o + kVec, bias ? load_v(a + kVec) + b1 : load_v(a + kVec));
-            } else {
-              for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(bias ? a[j] + bf16_to_f32(bias[n0 + j]) : a[j]);
-            }
-          }
+          for (int64_t i = 0; i < rows; ++i)
+            store_bf16_panel_row(out + (m + i) * ldo + n0, load_v(acc + i * kPanel), load_v(acc + i * kPanel + kVec),
+                                 bias ? bias + n0 : nullptr, cols);
         }
       }
     }

@@ -15,10 +15,7 @@
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -83,23 +80,9 @@ float bf16_chains(int64_t iters, float seed) { return fp32_chains(iters, seed); 
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-bool amx_permitted() {  // as kernels/cpu/amx_bf16.h: Linux hands out the tile state on request
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 // iters rounds of 4 TDPBF16PS (16 x 16 x 32 products each) into tiles 0-3 from tiles 4-7.
 float amx_chains(int64_t iters) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  amx_configure();
   alignas(64) uint16_t ops[16 * 32];
   for (auto& x : ops) x = 0x3a83;  // bf16 1e-3: each round adds 32e-6 to every accumulator
   _tile_loadd(4, ops, 64);

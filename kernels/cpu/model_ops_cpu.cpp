@@ -180,6 +180,26 @@ inline float x_f32(const float* p) { return *p; }
 // The x rows a bf16 tile reads: bf16 for vdpbf16ps, fp32 (widened once per call) otherwise.
 using Bf16XRow = std::conditional<kBf16Dot, uint16_t, float>::type;
 
+// One output row of a panel, from its fp32 sums (a0: columns 0..kVec-1, a1: the rest): + bias (the
+// panel's slice of it, or null), rounded to bf16, its first `cols` columns stored (fewer than kPanel
+// in the last panel when N is not a multiple). The vector and the AMX bf16 GEMMs both end with it.
+inline void store_bf16_panel_row(uint16_t* o, vgf a0, vgf a1, const uint16_t* bias, int64_t cols) {
+  if (bias) {
+    if (cols == kPanel) {
+      a0 += load_bf16_v(bias);
+      a1 += load_bf16_v(bias + kVec);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) (j < kVec ? a0[j] : a1[j - kVec]) += bf16_to_f32(bias[j]);
+    }
+  }
+  if (cols == kPanel) {
+    store_bf16_v(o, a0);
+    store_bf16_v(o + kVec, a1);
+    return;
+  }
+  for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(j < kVec ? a0[j] : a1[j - kVec]);
+}
+
 // x: bf16 rows (the vdpbf16ps path broadcasts a pair's 32 bits), or, on the widening path, the
 // same rows already widened to fp32 (XRow = float: one broadcast from memory per element, where a
 // bf16 element took a scalar load, shift and move first; with those, bf16 ran 1.8x slower than
@@ -209,19 +229,7 @@ inline void bf16_tile(const XRow* __restrict x, int64_t ldx, const int32_t* __re
     }
 #endif
   }
-  if (cols == kPanel) {
-    const vgf b0 = bias ? load_bf16_v(bias) : vgf{}, b1 = bias ? load_bf16_v(bias + kVec) : vgf{};
-    for (int i = 0; i < MR; ++i) {
-      store_bf16_v(out + i * ldo, bias ? acc[i][0] + b0 : acc[i][0]);
-      store_bf16_v(out + i * ldo + kVec, bias ? acc[i][1] + b1 : acc[i][1]);
-    }
-    return;
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < cols; ++j) {
-      const float v = acc[i][j / kVec][j % kVec];
-      out[i * ldo + j] = f32_to_bf16(bias ? v + bf16_to_f32(bias[j]) : v);
-    }
+  for (int i = 0; i < MR; ++i) store_bf16_panel_row(out + i * ldo, acc[i][0], acc[i][1], bias, cols);
 }
 
 template <int MR, typename XRow>

@@ -405,6 +405,33 @@ inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, floa
   l += sum;
 }
 
+// One chunk of nr keys for `rows` query rows that see the same keys (heads of one GQA group, one
+// token; rows <= kMaxGroupRows), row j's query, scores, accumulator and running max / sum at
+// q + j * hd, s + j * kKeysPerChunk, acc + j * hd, m[j], l[j]: scores, online-softmax update, and
+// the weighted sum of V, each K and V row loaded once for all the rows.
+template <int R, typename E>
+inline void attend_rows_r(const float* q, float* s, float* acc, float* m, float* l, float* p, const E* kp,
+                          const E* vp, int64_t kstride, int64_t nr, int64_t hd, Prefetcher* pf) {
+  score_keysR<R>(q, hd, kp, kstride, nr, hd, s, kKeysPerChunk, pf);
+  for (int j = 0; j < R; ++j)
+    softmax_chunk(s + j * kKeysPerChunk, nr, hd, m[j], l[j], acc + j * hd, p + j * kKeysPerChunk);
+  weighted_sumR<R>(acc, hd, p, kKeysPerChunk, vp, kstride, nr, hd, pf);
+}
+
+template <typename E>
+inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m, float* l, float* p, const E* kp,
+                        const E* vp, int64_t kstride, int64_t nr, int64_t hd, Prefetcher* pf) {
+  switch (rows) {
+    case 4: return attend_rows_r<4>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, pf);
+    case 3: return attend_rows_r<3>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, pf);
+    case 2: return attend_rows_r<2>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, pf);
+    default:  // a lone row: score_keys' groups of 8 keys keep more FMA chains than 4 x 1
+      score_keys(q, kp, kstride, nr, hd, s, pf);
+      softmax_chunk(s, nr, hd, m[0], l[0], acc, p);
+      weighted_sum(acc, p, vp, kstride, nr, hd, pf);
+  }
+}
+
 struct Shape {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride;
   int64_t q_stride, o_stride;  // elements between consecutive tokens of query / out
@@ -502,28 +529,9 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           int64_t r = (h - it.kv0) * head_rows + t * group;
           // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
           for (const int64_t r_end = r + group; r < r_end;) {
-            const int64_t left = r_end - r;
-            const int rows = int(left >= kMaxGroupRows ? kMaxGroupRows : left);
-            auto pass = [&](auto R) {
-              score_keysR<decltype(R)::value>(qf + r * hd, hd, kp, kstride, nr, hd, s + r * kKeysPerChunk,
-                                             kKeysPerChunk, &pf);
-              for (int j = 0; j < rows; ++j)
-                softmax_chunk(s + (r + j) * kKeysPerChunk, nr, hd, m[r + j], l[r + j], acc + (r + j) * hd,
-                              p + j * kKeysPerChunk);
-              weighted_sumR<decltype(R)::value>(acc + r * hd, hd, p, kKeysPerChunk, vp, kstride, nr, hd, &pf);
-            };
-            switch (rows) {
-              case 4: pass(std::integral_constant<int, 4>{}); break;
-              case 3: pass(std::integral_constant<int, 3>{}); break;
-              case 2: pass(std::integral_constant<int, 2>{}); break;
-              default: {
-                float* sa = s + r * kKeysPerChunk;
-                float* aa = acc + r * hd;
-                score_keys(qf + r * hd, kp, kstride, nr, hd, sa, &pf);
-                softmax_chunk(sa, nr, hd, m[r], l[r], aa, p);
-                weighted_sum(aa, p, vp, kstride, nr, hd, &pf);
-              }
-            }
+            const int rows = int(std::min<int64_t>(kMaxGroupRows, r_end - r));
+            attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp, vp, kstride,
+                        nr, hd, &pf);
             r += rows;
           }
         }

@@ -33,8 +33,8 @@ class Linear(nn.Linear):
     ([N / 16, K, 16] instead of [N, K]: the weight tensor's shape says which)."""
 
     def reset_parameters(self) -> None:
-        # load_weights() sets every weight. torch's random init, even on the meta device, costs
-        # nothing but a first-call import of torch's decompositions: 0.95 s of start-up.
+        # Deliberately empty: load_weights() sets every weight (and fails on a missing one), so
+        # torch's random init would be work thrown away (0.95 s of start-up on the default model).
         pass
 
     def process_weights_after_loading(self) -> None:
