@@ -90,6 +90,8 @@ def main() -> None:
     from pagedrun.models import ops
     for name in ("rms_norm", "rope", "silu_and_mul"):  # llama.py calls them as ops.<name>
         setattr(ops, name, timed(f"elementwise: {name}", getattr(ops, name)))
+    # The MLP's gate/up GEMM with SiLU * up fused in (also counted under linear layers).
+    ops.gate_up_silu = timed("  of which gate/up + silu (fused)", ops.gate_up_silu)
     eng.runner.execute = timed("model step (total)", eng.runner.execute)
     eng.step = timed("engine step (total)", eng.step)
 
@@ -113,7 +115,8 @@ def main() -> None:
     for k in parts:
         print(f"  {k:32s} {timers[k]:8.3f}s  {100 * timers[k] / total:5.1f}% of step time")
         prefix = {"attention (incl. cache writes)": ("  of which decode", "  of which steps"),
-                  "linear layers (matmul)": ("  of which 1", "  of which 3", "  of which 17", "  of which 65")}
+                  "linear layers (matmul)": ("  of which 1", "  of which 3", "  of which 17", "  of which 65",
+                                             "  of which gate")}
         for sub in sorted(s for s in timers if s.startswith(prefix.get(k, ("\0",)))):
             print(f"  {sub:32s} {timers[sub]:8.3f}s  {100 * timers[sub] / total:5.1f}% of step time")
 

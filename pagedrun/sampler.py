@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedrun.greedy import argmax_rows
 from pagedrun.penalties import apply_penalties
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.bitmask import apply_grammar_bitmasks
@@ -57,9 +58,11 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if greedy:
+        if len(greedy) == num_rows:  # the usual case: no copy of the rows
+            token_ids = argmax_rows(logits).cpu()
+        elif greedy:
             idx = torch.tensor(greedy)
-            token_ids[idx] = logits[idx].argmax(dim=-1).cpu()
+            token_ids[idx] = argmax_rows(logits[idx]).cpu()
         if random:
             idx = torch.tensor(random)
             probs = self._processed_probs(logits[idx], [rows[i].params for i in random])

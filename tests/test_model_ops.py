@@ -248,6 +248,40 @@ def test_silu_and_mul_matches_float64_including_extremes(kern):
         torch.testing.assert_close(got, ops.silu_and_mul(gate_up), atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 17, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
+    """The MLP's fused gate/up GEMM + SiLU * up (weights interleaved a panel at a time) gives the bits
+    of the two ops it replaces, run on the plain layout: GEMM (same path: AMX tiles at >= 3 bf16
+    rows where the CPU has them, the vector kernel otherwise), then silu_and_mul. Checked against
+    float64 too, and through the torch fallback with the kernels off."""
+    g = _gen(m + 3 * with_bias + (dtype == torch.bfloat16))
+    i, k = 2 * kern.panel * 3, 192  # 6 panel pairs of intermediate columns
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * i, k, generator=g) * 2 / k**0.5).to(dtype)
+    b = torch.randn(2 * i, generator=g).to(dtype) if with_bias else None
+    packed, b_packed = ops.pack_gate_up(w, b)
+    assert packed.shape == ops.pack_weight(w).shape  # same bytes, rows reordered
+    got = ops.gate_up_silu(x, packed, b_packed, i)
+    want = ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i))
+    assert got.dtype == dtype and got.shape == (m, i)
+    assert torch.equal(got, want)
+    h = x.double() @ w.double().T + (0 if b is None else b.double())
+    gate, up = h.chunk(2, dim=-1)
+    ref = gate / (1 + torch.exp(-gate)) * up
+    tol = 2**-6 if dtype == torch.bfloat16 else 1e-5  # bf16: three roundings of 2^-9 each, and the GEMM's
+    assert ((got.double() - ref).abs() <= ref.abs() * tol + tol * 2).all()
+    with ops.torch_only():
+        torch.testing.assert_close(ops.gate_up_silu(x, packed, b_packed, i), got,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_gate_up_not_a_multiple_of_the_panel_stays_plain(kern):
+    w = torch.randn(2 * (kern.panel + 1), 64)
+    assert ops.pack_gate_up(w, None) is None
+
+
 def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     g = _gen(5)
     w = torch.randn(8, 64, generator=g)

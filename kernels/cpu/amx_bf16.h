@@ -79,10 +79,29 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int6
   }
 }
 
+// silu(gate) * up for rows [m, m + rows) of output columns [j * kPanel, (j + 1) * kPanel), from the
+// fp32 sums of the gate and up panels of pair j (linear_packed_silu's interleaved layout): each
+// rounded to bf16 with its bias, as the GEMM would store it, then silu_and_mul's operations.
+inline void silu_epilogue(const float* gate, const float* up, const uint16_t* bias, int64_t j, int64_t rows,
+                          uint16_t* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int h = 0; h < kPanel; h += kVec) {
+      vgf g = load_v(gate + i * kPanel + h), u = load_v(up + i * kPanel + h);
+      if (bias) {
+        g += load_bf16_v(bias + 2 * j * kPanel + h);
+        u += load_bf16_v(bias + (2 * j + 1) * kPanel + h);
+      }
+      g = round_bf16_v(g);
+      store_bf16_v(out + i * ldo + j * kPanel + h, round_bf16_v(silu_v(g)) * round_bf16_v(u));
+    }
+}
+
 // linear_packed_bf16 on tiles; false (nothing written) where they cannot take it: fewer rows than
-// kAmxMinRows, K not a multiple of 32, or no AMX permission.
+// kAmxMinRows, K not a multiple of 32, or no AMX permission. With `silu`, out [M, N / 2] gets
+// silu(gate) * up instead (linear_packed_silu: panels 2j, 2j + 1 are gate and up of the same columns).
 inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
-                                   int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+                                   int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads,
+                                   bool silu = false) {
   if (M < kAmxMinRows || K % 32 || !amx_permitted()) return false;
   // A tiles read 16 whole rows: a row count that is not a multiple of 16 goes through a zero-padded copy.
   const int64_t Mpad = (M + 15) / 16 * 16;
@@ -104,9 +123,31 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
 #pragma omp parallel num_threads(num_threads)
   {
     amx_configure();
-    alignas(64) float acc[32 * kPanel];
+    alignas(64) float acc[32 * kPanel], acc_up[32 * kPanel];
     for (int64_t m0 = 0; m0 < Mpad; m0 += row_chunk) {
       const int64_t m1 = m0 + row_chunk < Mpad ? m0 + row_chunk : Mpad;
+      if (silu) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_panels / 2; ++j) {
+          const int32_t* gate = packed + 2 * j * K2 * kPanel;
+          const int32_t* up = gate + K2 * kPanel;
+          for (int64_t m = m0; m < m1; m += 32) {
+            const bool two = m + 32 <= m1;
+            const char* pf_gate = m == m0 ? reinterpret_cast<const char*>(gate) + kAmxPrefetchAhead : nullptr;
+            const char* pf_up = m == m0 ? reinterpret_cast<const char*>(up) + kAmxPrefetchAhead : nullptr;
+            if (two) {
+              amx_block<2>(x + m * ldx, ldx, gate, K2, acc, pf_gate);
+              amx_block<2>(x + m * ldx, ldx, up, K2, acc_up, pf_up);
+            } else {
+              amx_block<1>(x + m * ldx, ldx, gate, K2, acc, pf_gate);
+              amx_block<1>(x + m * ldx, ldx, up, K2, acc_up, pf_up);
+            }
+            const int64_t rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
+            silu_epilogue(acc, acc_up, bias, j, rows, out + m * ldo, ldo);
+          }
+        }
+        continue;
+      }
 #pragma omp for schedule(static)
       for (int64_t q = 0; q < num_panels; ++q) {
         const int32_t* panel = packed + q * K2 * kPanel;

@@ -243,6 +243,9 @@ inline void bf16_tile_rows(int mr, const XRow* x, int64_t ldx, const int32_t* pa
 
 PR_EXPORT int packed_gemm_has_bf16_dot() { return kBf16Dot ? 1 : 0; }
 
+// SiLU, x / (1 + exp(-x)), a vector at a time (silu_and_mul, and the AMX GEMM's fused epilogue).
+inline vgf silu_v(vgf x) { return x / (1.0f + exp_v(-x)); }
+
 #include "amx_bf16.h"
 
 #ifdef PR_HAVE_AMX
@@ -323,6 +326,14 @@ template <typename T> inline float rnd(float v) {
   if constexpr (std::is_same<T, float>::value) return v;
   else return bf16_to_f32(f32_to_bf16(v));
 }
+inline vgf ld_v(const float* p) { return load_v(p); }
+inline vgf ld_v(const uint16_t* p) { return load_bf16_v(p); }
+inline void st_v(float* p, vgf v) { store_v(p, v); }
+inline void st_v(uint16_t* p, vgf v) { store_bf16_v(p, v); }
+template <typename T> inline vgf rnd_v(vgf v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return round_bf16_v(v);
+}
 
 // 8 elements widened to fp32 (bf16: the top half of an fp32, exact).
 inline v8f load8_any(const float* p) { return load8(p); }
@@ -393,25 +404,64 @@ int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int
   return 0;
 }
 
-// out [M, I] = silu(gate) * up, where gate_up [M, 2I] (row stride ldg) holds gate then up.
+// out [M, I] = silu(gate) * up, where each row of gate_up [M, 2I] (row stride ldg) holds gate and up
+// in blocks of `block` columns: gate's block b at columns [2b * block, (2b + 1) * block), up's
+// beside it. block = I is the plain layout (all of gate, then all of up); block = kPanel is what
+// the GEMM writes with a gate/up weight packed for linear_packed_silu (panels interleaved).
 template <typename T>
-int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int num_threads) {
-  if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I) return -1;
+int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
+                 int num_threads) {
+  if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I || block <= 0 || I % block) return -1;
   if (num_threads < 1) num_threads = 1;
+  const int64_t bv = block / kVec * kVec;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= 65536)
   for (int64_t m = 0; m < M; ++m) {
-    const T* g = gate_up + m * ldg;
-    const T* u = g + I;
-    T* o = out + m * ldo;
-    for (int64_t i = 0; i < I; ++i) {
-      const float gi = ld(g, i);
-      st(o, i, rnd<T>(gi / (1.0f + exp_f32(-gi))) * ld(u, i));
+    for (int64_t b = 0; b < I / block; ++b) {
+      const T* g = gate_up + m * ldg + 2 * b * block;
+      const T* u = g + block;
+      T* o = out + m * ldo + b * block;
+      int64_t i = 0;
+      for (; i < bv; i += kVec) st_v(o + i, rnd_v<T>(silu_v(ld_v(g + i))) * ld_v(u + i));
+      for (; i < block; ++i) {
+        const float gi = ld(g, i);
+        st(o, i, rnd<T>(gi / (1.0f + exp_f32(-gi))) * ld(u, i));
+      }
     }
   }
   return 0;
 }
 
-#define PR_ELEMENTWISE(SUFFIX, T)                                                                               \
+// The MLP's gate/up projection and its activation in one call: out [M, I] = silu(gate) * up with
+// [gate | up] = x . w^T (+ bias), w [2I, K] packed (pack_weight) after its rows were interleaved
+// panel by panel (pagedrun.models.ops.pack_gate_up): packed panel 2j holds gate's columns
+// [j * kPanel, (j + 1) * kPanel), panel 2j + 1 up's same columns; bias interleaved alike. I must be
+// a multiple of kPanel. On AMX tiles the activation is the GEMM's epilogue (each thread computes
+// both halves of its output columns, so nothing [M, 2I] is written or read back, nor crosses cores:
+// the plain layout's gate was one core's and its up the other's); elsewhere the GEMM writes the
+// interleaved [M, 2I] into a scratch and silu_and_mul reads it. Same bits either way.
+template <typename T, typename W>
+int linear_packed_silu(const T* x, const W* packed, const T* bias, T* out, int64_t M, int64_t I, int64_t K,
+                       int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
+  if (M == 0) return 0;
+  static thread_local std::vector<T> scratch;  // the calling thread's: called outside any parallel region
+  int rc;
+  if constexpr (std::is_same<T, float>::value) {
+    scratch.resize(size_t(M * 2 * I));
+    rc = linear_packed_f32(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+  } else {
+#ifdef PR_HAVE_AMX
+    if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true))
+      return 0;
+#endif
+    scratch.resize(size_t(M * 2 * I));
+    rc = linear_packed_bf16(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+  }
+  if (rc != 0) return rc;
+  return silu_and_mul<T>(scratch.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
+}
+
+#define PR_ELEMENTWISE(SUFFIX, T, W)                                                                               \
   PR_EXPORT int rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H,        \
                                   int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {          \
     return rms_norm<T>(x, residual, weight, out, M, H, ldx, ldr, ldo, eps, num_threads);                        \
@@ -422,8 +472,12 @@ int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, in
     return rope<T>(x, positions, cos, sin, ntok, num_heads, head_size, ldx, max_pos, num_threads);              \
   }                                                                                                             \
   PR_EXPORT int silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo,  \
-                                      int num_threads) {                                                        \
-    return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, num_threads);                                          \
+                                      int64_t block, int num_threads) {                                         \
+    return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, block, num_threads);                                   \
+  }                                                                                                             \
+  PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,        \
+                                            int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \
+    return linear_packed_silu<T, W>(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                      \
   }
-PR_ELEMENTWISE(f32, float)
-PR_ELEMENTWISE(bf16, uint16_t)
+PR_ELEMENTWISE(f32, float, float)
+PR_ELEMENTWISE(bf16, uint16_t, int32_t)

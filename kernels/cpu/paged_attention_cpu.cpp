@@ -397,7 +397,8 @@ inline void softmax_chunk(const float* __restrict s, int64_t n, int64_t hd, floa
     m = cmax;
   }
   const float mr = m;
-  for (c = 0; c < n; ++c) p[c] = exp_f32(s[c] - mr);
+  for (c = 0; c + kVec <= n; c += kVec) store_v(p + c, exp_v(load_v(s + c) - mr));
+  for (; c < n; ++c) p[c] = exp_f32(s[c] - mr);
   v8f sum8 = {};
   for (c = 0; c + 8 <= n; c += 8) sum8 += load8(p + c);
   float sum = horizontal_sum(sum8);

@@ -48,6 +48,26 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class GateUpLinear(Linear):
+    """The MLP's gate_proj and up_proj stacked in one Linear ([gate; up], 2I outputs) whose forward
+    is the activation's input and output at once: silu(gate) * up, [..., I]. Packed after loading
+    with gate and up interleaved a panel at a time (ops.pack_gate_up), so that the CPU kernel computes
+    both halves of each output column block together and applies the activation in the GEMM's
+    epilogue: no [T, 2I] tensor, one call instead of two."""
+
+    def process_weights_after_loading(self) -> None:
+        packed = ops.pack_gate_up(self.weight.data, None if self.bias is None else self.bias.data)
+        if packed is not None:
+            self.weight.data = packed[0]
+            if self.bias is not None:
+                self.bias.data = packed[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() >= 3:
+            return ops.gate_up_silu(x, self.weight, self.bias, self.out_features // 2)
+        return ops.silu_and_mul(F.linear(x, self.weight, self.bias))
+
+
 class VocabEmbedding(nn.Embedding):
     """nn.Embedding whose table may be packed like a Linear weight ([V / 16, H, 16]): with tied
     embeddings the table is also the LM head, and the head's GEMM wants it packed. A lookup then
@@ -159,7 +179,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = GateUpLinear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
         )
         self.down_proj = Linear(
@@ -167,7 +187,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up: GateUpLinear
 
 
 class LlamaDecoderLayer(nn.Module):

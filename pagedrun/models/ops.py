@@ -55,7 +55,8 @@ class CpuModelOps:
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
-                                   ("silu_and_mul", [_ptr] * 2 + [_i64] * 4 + [_int])):
+                                   ("silu_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
+                                   ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int])):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = _int, argtypes
                 self._ops[name, dtype] = fn
@@ -238,7 +239,58 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         m, i = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(m, i, dtype=gate_up.dtype)
         if kern.op("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), m, i, gate_up.stride(0), i,
-                                                  torch.get_num_threads()) == 0:
+                                                  i, torch.get_num_threads()) == 0:
             return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _interleave(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows [gate (I) | up (I)] -> gate's first `block`, up's first `block`, gate's next, ..."""
+    i = t.shape[0] // 2
+    return t.reshape(2, i // block, block, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _deinterleave(t: torch.Tensor, block: int) -> torch.Tensor:
+    """_interleave's inverse."""
+    i = t.shape[0] // 2
+    return t.reshape(i // block, 2, block, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def pack_gate_up(weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The MLP's stacked [gate; up] weight [2I, K] (and bias [2I]) packed for gate_up_silu: rows
+    interleaved a panel at a time (packed panel 2j = gate's columns [j*P, (j+1)*P), panel 2j+1 up's
+    same columns, P = the panel width), then pack_weight. None where the kernel cannot take it
+    (pack_weight's reasons, or I not a multiple of P): keep the plain layout then."""
+    kern = _kernels_for(weight)
+    if kern is None or weight.dim() != 2 or weight.shape[0] % (2 * kern.panel):
+        return None
+    if bias is not None and (bias.dtype != weight.dtype or bias.dim() != 1):
+        return None
+    packed = pack_weight(_interleave(weight, kern.panel).contiguous())
+    if packed is None:
+        return None
+    return packed, None if bias is None else _interleave(bias, kern.panel).contiguous()
+
+
+def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 intermediate: int) -> torch.Tensor:
+    """silu(gate) * up [M, I] with [gate | up] = x @ weight^T (+ bias), the weight and bias packed
+    by pack_gate_up: one kernel call, the activation fused into the GEMM where it runs on AMX tiles
+    (kernels/cpu/model_ops_cpu.cpp, linear_packed_silu). Torch on the unpacked weight otherwise."""
+    kern = _kernels_for(x, packed)
+    if kern is not None and x.dim() == 2 and not _rows(x):
+        x = x.contiguous()
+    if (kern is not None and _rows(x) and x.shape[1] == packed_in_features(packed)
+            and packed.dim() == (4 if x.dtype == torch.bfloat16 else 3)
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+        m = x.shape[0]
+        out = torch.empty(m, intermediate, dtype=x.dtype)
+        if m == 0 or kern.op("linear_packed_silu", x.dtype)(
+                x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
+                intermediate, x.shape[1], x.stride(0), intermediate, torch.get_num_threads()) == 0:
+            return out
+    panel = packed.shape[2]
+    weight = _deinterleave(unpack_weight(packed, 2 * intermediate), panel)
+    return silu_and_mul(F.linear(x, weight, None if bias is None else _deinterleave(bias, panel)))
