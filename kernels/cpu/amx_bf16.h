@@ -22,7 +22,7 @@
 #pragma once
 
 // (Not in the 8-wide test build, PR_GEMM_VEC8, whose panels are 16 columns.)
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(PR_GEMM_VEC8)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
 #define PR_HAVE_AMX 1
 #include <vector>
 
@@ -43,11 +43,62 @@ constexpr int64_t kAmxMinRows = 3;
 // (2048 and 8192 bytes no better; next-panel prefetch and _MM_HINT_T1 worse).
 constexpr int64_t kAmxPrefetchAhead = 4096;
 
+// Two vectors of a tile's fp32 sums (a panel row) rounded to bf16 by vcvtne2ps2bf16: nearest even,
+// as torch's integer route rounds, except that an fp32 denormal becomes zero, as in oneDNN's bf16
+// GEMMs (torch's own on such a CPU). Every CPU with AMX has avx512_bf16.
+inline __m512i amx_bf16_row(vgf a0, vgf a1) { return (__m512i)_mm512_cvtne2ps_pbh((__m512)a1, (__m512)a0); }
+
+// The epilogue of a finished block of rows: its sums (+ bias) rounded to bf16 and stored, or with
+// the gate/up pair of linear_packed_silu, silu(gate) * up. Run a few rows at a time from inside the
+// next block's k loop: run after the block, it waited for the tile unit to drain and the tiles
+// waited for it (a third of a 2048-row GEMM's time on the default model's shapes).
+struct PendingRows {
+  const float* acc = nullptr;     // [32][kPanel] fp32 sums (gate's, with up)
+  const float* up = nullptr;      // linear_packed_silu: up's sums, else null
+  uint16_t* out = nullptr;        // row 0 of the block, at its first column
+  int64_t ldo = 0, rows = 0, cols = 0, done = 0;
+  const uint16_t* bias = nullptr;     // the panel's slice; with up: the whole interleaved bias
+  const uint16_t* bias_up = nullptr;  // with up: up's slice of it
+  inline void run(int64_t n) {
+    const int64_t end = done + n < rows ? done + n : rows;
+    for (; done < end; ++done) {
+      const float* a = acc + done * kPanel;
+      uint16_t* o = out + done * ldo;
+      if (up) {
+        const float* u = up + done * kPanel;
+        for (int h = 0; h < kPanel; h += kVec) {
+          vgf g = load_v(a + h), uv = load_v(u + h);
+          if (bias) {
+            g += load_bf16_v(bias + h);
+            uv += load_bf16_v(bias_up + h);
+          }
+          // gate and up rounded as the GEMM stores them, then silu_and_mul's operations
+          const __m512i gu = amx_bf16_row(g, uv);
+          g = (vgf)(__builtin_convertvector((vgh)_mm512_castsi512_si256(gu), vgu) << 16);
+          uv = (vgf)(__builtin_convertvector((vgh)_mm512_extracti64x4_epi64(gu, 1), vgu) << 16);
+          store_bf16_v(o + h, round_bf16_v(silu_v(g)) * uv);
+        }
+      } else if (cols == kPanel) {
+        vgf a0 = load_v(a), a1 = load_v(a + kVec);
+        if (bias) {
+          a0 += load_bf16_v(bias);
+          a1 += load_bf16_v(bias + kVec);
+        }
+        _mm512_storeu_si512(o, amx_bf16_row(a0, a1));
+      } else {
+        store_bf16_panel_row(o, load_v(a), load_v(a + kVec), bias, cols);
+      }
+    }
+  }
+};
+
 // Rows [m, m + 16 * blocks) of x (blocks = 1 or 2) times panel (its kPanel columns, K2 pairs), the
-// fp32 sums stored into acc [32][kPanel].
+// fp32 sums stored into acc [32][kPanel]; `pending` (the previous block's epilogue, on other
+// buffers) is run alongside, and finished before this block's sums are stored.
 template <int Blocks>
 inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int64_t K2, float* acc,
-                      const char* prefetch) {
+                      const char* prefetch, PendingRows* pending) {
+  const int64_t per_step = pending ? (pending->rows + K2 / 16 - 1) / (K2 / 16) : 0;
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (Blocks == 2) {
@@ -70,30 +121,15 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int6
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    if (pending) pending->run(per_step);
   }
+  if (pending) pending->run(32);
   _tile_stored(0, acc, kPanel * 4);
   _tile_stored(1, acc + 16, kPanel * 4);
   if constexpr (Blocks == 2) {
     _tile_stored(2, acc + 16 * kPanel, kPanel * 4);
     _tile_stored(3, acc + 16 * kPanel + 16, kPanel * 4);
   }
-}
-
-// silu(gate) * up for rows [m, m + rows) of output columns [j * kPanel, (j + 1) * kPanel), from the
-// fp32 sums of the gate and up panels of pair j (linear_packed_silu's interleaved layout): each
-// rounded to bf16 with its bias, as the GEMM would store it, then silu_and_mul's operations.
-inline void silu_epilogue(const float* gate, const float* up, const uint16_t* bias, int64_t j, int64_t rows,
-                          uint16_t* out, int64_t ldo) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int h = 0; h < kPanel; h += kVec) {
-      vgf g = load_v(gate + i * kPanel + h), u = load_v(up + i * kPanel + h);
-      if (bias) {
-        g += load_bf16_v(bias + 2 * j * kPanel + h);
-        u += load_bf16_v(bias + (2 * j + 1) * kPanel + h);
-      }
-      g = round_bf16_v(g);
-      store_bf16_v(out + i * ldo + j * kPanel + h, round_bf16_v(silu_v(g)) * round_bf16_v(u));
-    }
 }
 
 // linear_packed_bf16 on tiles; false (nothing written) where they cannot take it: fewer rows than
@@ -103,14 +139,19 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
                                    int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads,
                                    bool silu = false) {
   if (M < kAmxMinRows || K % 32 || !amx_permitted()) return false;
-  // A tiles read 16 whole rows: a row count that is not a multiple of 16 goes through a zero-padded copy.
+  // A tiles read 16 whole rows: a row count that is not a multiple of 16 goes through a zero-padded
+  // copy, 64-byte aligned like torch's tensors (tile loads of rows that straddle cache lines ran a
+  // 2048-row GEMM at 1,000 GFLOP/s instead of 1,700). The calling thread's, kept between calls.
   const int64_t Mpad = (M + 15) / 16 * 16;
-  std::vector<uint16_t> padded;
   if (Mpad != M) {
-    padded.assign(Mpad * K, 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * K, x + m * ldx, K * 2);
-    x = padded.data();
-    ldx = K;
+    static thread_local std::vector<uint16_t> padded;
+    const int64_t ldp = (K + 31) / 32 * 32;  // rows of whole cache lines
+    if (padded.size() < size_t(Mpad * ldp + 32)) padded.resize(size_t(Mpad * ldp + 32));
+    uint16_t* p = padded.data() + (32 - reinterpret_cast<uintptr_t>(padded.data()) % 64 / 2) % 32;
+    for (int64_t m = 0; m < M; ++m) std::memcpy(p + m * ldp, x + m * ldx, K * 2);
+    std::memset(p + M * ldp, 0, size_t((Mpad - M) * ldp * 2));
+    x = p;
+    ldx = ldp;
   }
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
   // Rows in chunks that stay in L2 while every panel passes over them, 1 MiB of them: each chunk
@@ -123,48 +164,46 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
 #pragma omp parallel num_threads(num_threads)
   {
     amx_configure();
-    alignas(64) float acc[32 * kPanel], acc_up[32 * kPanel];
+    // Sums of the block being computed and of the one whose epilogue runs beside it: two sets.
+    alignas(64) float bufs[2][2][32 * kPanel];
+    PendingRows pending;
+    int set = 0;
     for (int64_t m0 = 0; m0 < Mpad; m0 += row_chunk) {
       const int64_t m1 = m0 + row_chunk < Mpad ? m0 + row_chunk : Mpad;
-      if (silu) {
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < num_panels / 2; ++j) {
-          const int32_t* gate = packed + 2 * j * K2 * kPanel;
-          const int32_t* up = gate + K2 * kPanel;
-          for (int64_t m = m0; m < m1; m += 32) {
-            const bool two = m + 32 <= m1;
-            const char* pf_gate = m == m0 ? reinterpret_cast<const char*>(gate) + kAmxPrefetchAhead : nullptr;
-            const char* pf_up = m == m0 ? reinterpret_cast<const char*>(up) + kAmxPrefetchAhead : nullptr;
-            if (two) {
-              amx_block<2>(x + m * ldx, ldx, gate, K2, acc, pf_gate);
-              amx_block<2>(x + m * ldx, ldx, up, K2, acc_up, pf_up);
-            } else {
-              amx_block<1>(x + m * ldx, ldx, gate, K2, acc, pf_gate);
-              amx_block<1>(x + m * ldx, ldx, up, K2, acc_up, pf_up);
-            }
-            const int64_t rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
-            silu_epilogue(acc, acc_up, bias, j, rows, out + m * ldo, ldo);
-          }
-        }
-        continue;
-      }
-#pragma omp for schedule(static)
-      for (int64_t q = 0; q < num_panels; ++q) {
-        const int32_t* panel = packed + q * K2 * kPanel;
-        const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+#pragma omp for schedule(static) nowait
+      for (int64_t q = 0; q < (silu ? num_panels / 2 : num_panels); ++q) {
+        // silu: q is the pair of panels 2q (gate) and 2q + 1 (up) of output columns [q, q + 1) x kPanel
+        const int32_t* panel = packed + (silu ? 2 * q : q) * K2 * kPanel;
+        const int64_t n0 = q * kPanel, cols = silu || N - n0 >= kPanel ? kPanel : N - n0;
         for (int64_t m = m0; m < m1; m += 32) {
           const bool two = m + 32 <= m1;
+          float* acc = bufs[set][0];
+          float* acc_up = silu ? bufs[set][1] : nullptr;
           // only the first row block reads the panel from memory; the next ones find it in cache
           const char* pf = m == m0 ? reinterpret_cast<const char*>(panel) + kAmxPrefetchAhead : nullptr;
-          if (two) amx_block<2>(x + m * ldx, ldx, panel, K2, acc, pf);
-          else amx_block<1>(x + m * ldx, ldx, panel, K2, acc, pf);
-          const int64_t rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
-          for (int64_t i = 0; i < rows; ++i)
-            store_bf16_panel_row(out + (m + i) * ldo + n0, load_v(acc + i * kPanel), load_v(acc + i * kPanel + kVec),
-                                 bias ? bias + n0 : nullptr, cols);
+          for (int half = 0; half < (silu ? 2 : 1); ++half) {
+            const int32_t* w = panel + half * K2 * kPanel;
+            const char* pfw = pf ? pf + half * K2 * kPanel * 4 : nullptr;
+            PendingRows* pend = half == 0 && pending.done < pending.rows ? &pending : nullptr;
+            if (two) amx_block<2>(x + m * ldx, ldx, w, K2, half ? acc_up : acc, pfw, pend);
+            else amx_block<1>(x + m * ldx, ldx, w, K2, half ? acc_up : acc, pfw, pend);
+          }
+          pending = PendingRows{};
+          pending.acc = acc;
+          pending.up = acc_up;
+          pending.out = out + m * ldo + n0;
+          pending.ldo = ldo;
+          pending.rows = (two ? 32 : 16) < M - m ? (two ? 32 : 16) : M - m;
+          pending.cols = cols;
+          if (bias) {
+            pending.bias = silu ? bias + 2 * q * kPanel : bias + n0;
+            pending.bias_up = silu ? bias + (2 * q + 1) * kPanel : nullptr;
+          }
+          set ^= 1;
         }
       }
     }
+    pending.run(32);
     _tile_release();
   }
   return true;
