@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int kKeysPerChunk = 32;  // keys scored before one softmax update (scores stay in L1)
-constexpr int kRowsPerTile = 64;   // query rows (tokens x group heads) per prefill work item
+constexpr int kRowsPerTile = 192;   // query rows (tokens x group heads) per prefill work item
 constexpr int kMaxGroupRows = 4;   // query rows that share each K/V row loaded (one call of the R-row helpers)
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -433,6 +433,101 @@ inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m
   }
 }
 
+// ---- prefill: many tokens against the same keys ----
+//
+// The tokens of a prefill item that see every key of a chunk (all but those near the diagonal) take
+// it together: the chunk's K transposed once into fp32 kt [hd][kKeysPerChunk] (V widened once into
+// fp32 rows), so a row's scores are kKeysPerChunk / kVec vectors of FMAs over d, broadcasting q:
+// kQkRows rows share each kt load and no lane has to be folded and summed across (per key and row,
+// that horizontal sum cost as much as the dot product itself). Then softmax per row and V in passes
+// of kMaxGroupRows rows, any rows (they all see the same n keys).
+constexpr int kQkAcc = kVec == 16 ? 24 : 12;  // accumulator registers: of AVX-512's 32, of AVX2's 16
+constexpr int kQkRowsMax = kQkAcc;             // rows per pass at one vector of keys (a 16-key block)
+
+// Scores s[r][0:NV * kVec] = q[r] . kt[:, c] for RB rows (q rows hd apart, s rows kKeysPerChunk
+// apart); kt's columns past the chunk's keys are zero.
+template <int RB, int NV, int HD>
+inline void qk_tile(const float* __restrict q, int64_t hd_rt, const float* __restrict kt, float* __restrict s) {
+  // HD: the head size when it is a common one, known when compiling so that the RB query rows are
+  // one pointer and constant offsets (24 row pointers spilled); 0: hd_rt. (Unrolled by hand-set
+  // pragmas: left to itself g++ kept 24 accumulators on the stack.)
+  const int64_t hd = HD ? HD : hd_rt;
+  vgf acc[RB][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = vgf{};
+  for (int64_t d = 0; d < hd; ++d) {
+    vgf kv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) kv[v] = load_v(kt + d * kKeysPerChunk + v * kVec);
+#pragma GCC unroll 32
+    for (int r = 0; r < RB; ++r) {
+      const vgf qb = broadcast_v(q[r * hd + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma_v(qb, kv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store_v(s + r * kKeysPerChunk + v * kVec, acc[r][v]);
+}
+
+template <int RB, int NV>
+inline void qk_tile_rows(int rb, const float* q, int64_t hd, const float* kt, float* s) {
+  if constexpr (RB > 1) {
+    if (rb < RB) return qk_tile_rows<RB - 1, NV>(rb, q, hd, kt, s);
+  }
+  switch (hd) {
+    case 64: return qk_tile<RB, NV, 64>(q, hd, kt, s);
+    case 128: return qk_tile<RB, NV, 128>(q, hd, kt, s);
+    default: qk_tile<RB, NV, 0>(q, hd, kt, s);
+  }
+}
+
+// Scores of rows [r, r1) for NV vectors of keys, kQkAcc / NV rows per pass; returns rows done.
+template <int NV>
+inline int qk_pass(int64_t r, int64_t r1, const float* qf, int64_t hd, const float* kt, float* s) {
+  constexpr int RB = kQkAcc / NV;
+  const int rb = int(std::min<int64_t>(RB, r1 - r));
+  qk_tile_rows<RB, NV>(rb, qf + r * hd, hd, kt, s + r * kKeysPerChunk);
+  return rb;
+}
+
+// The R-row weighted sum (R = 1..kMaxGroupRows) for rows of fp32 V.
+inline void weighted_rows(int rows, float* acc, int64_t hd, const float* p, const float* v, int64_t n,
+                          Prefetcher* pf) {
+  switch (rows) {
+    case 4: return weighted_sumR<4>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
+    case 3: return weighted_sumR<3>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
+    case 2: return weighted_sumR<2>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
+    default: weighted_sum(acc, p, v, hd, n, hd, pf);
+  }
+}
+
+// Rows [r0, r1) of an item, all seeing the chunk's n keys: kt (transposed K), vf (V rows, fp32).
+inline void attend_rows_tiled(int64_t r0, int64_t r1, const float* qf, float* s, float* acc, float* m, float* l,
+                              float* p, const float* kt, const float* vf, int64_t n, int64_t hd, Prefetcher* pf) {
+  const int nv = int((n + kVec - 1) / kVec);
+  for (int64_t r = r0; r < r1;) {
+    int rb;
+    switch (nv) {
+      case 1: rb = qk_pass<1>(r, r1, qf, hd, kt, s); break;
+      case 2: rb = qk_pass<2>(r, r1, qf, hd, kt, s); break;
+      case 3: if constexpr (kKeysPerChunk / kVec >= 3) { rb = qk_pass<3>(r, r1, qf, hd, kt, s); break; }
+      [[fallthrough]];
+      default: rb = qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
+    }
+    for (int j = 0; j < rb; ++j)
+      softmax_chunk(s + (r + j) * kKeysPerChunk, n, hd, m[r + j], l[r + j], acc + (r + j) * hd,
+                    p + j * kKeysPerChunk);
+    for (int j = 0; j < rb; j += kMaxGroupRows)
+      weighted_rows(std::min(kMaxGroupRows, rb - j), acc + (r + j) * hd, hd, p + j * kKeysPerChunk, vf, n, pf);
+    r += rb;
+  }
+}
+
 struct Shape {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride;
   int64_t q_stride, o_stride;  // elements between consecutive tokens of query / out
@@ -451,16 +546,17 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, p, k, v;
+  std::vector<float> q, acc, m, l, s, p, k, v, kt;
   void reserve(int64_t rows, int64_t hd) {
     q.resize(rows * hd);
     acc.resize(rows * hd);
     m.resize(rows);
     l.resize(rows);
     s.resize(rows * kKeysPerChunk);
-    p.resize(kMaxGroupRows * kKeysPerChunk);
+    p.resize(std::max(kMaxGroupRows, kQkRowsMax) * kKeysPerChunk);
     k.resize(kKeysPerChunk * hd);
     v.resize(kKeysPerChunk * hd);
+    kt.resize(kKeysPerChunk * hd);
   }
 };
 
@@ -523,8 +619,28 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       const int64_t base = row0 + h * hd;
       // All rows of token t see the same keys of this chunk (nr of them); kp / vp: its K and V rows,
       // kstride elements apart, float or bf16.
+      // Tokens [t_full, ntok) see every key of the chunk: together (attend_rows_tiled) when there are
+      // two or more; the others one at a time.
+      const int64_t t_full = std::max<int64_t>(0, p0 + n - 1 - it.pos0);
+      const bool tiled = it.ntok - t_full >= 2;
+      const int64_t t_alone = tiled ? t_full : it.ntok;
       auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
-        for (int64_t t = 0; t < it.ntok; ++t) {
+        if (tiled) {
+          // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
+          float* kt = sc.kt.data();
+          float* vf = sc.v.data();
+          for (int64_t c = 0; c < n; ++c)
+            for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(kp[c * kstride + d]);
+          const int64_t padded = (n + kVec - 1) / kVec * kVec;  // the columns qk_tile reads
+          for (int64_t d = 0; d < hd; ++d)
+            for (int64_t c = n; c < padded; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
+          if (static_cast<const void*>(vp) != static_cast<const void*>(vf))
+            for (int64_t c = 0; c < n; ++c)
+              for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
+          const int64_t r0 = (h - it.kv0) * head_rows;
+          attend_rows_tiled(r0 + t_full * group, r0 + it.ntok * group, qf, s, acc, m, l, p, kt, vf, n, hd, &pf);
+        }
+        for (int64_t t = 0; t < t_alone; ++t) {
           const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
           if (nr <= 0) continue;
           int64_t r = (h - it.kv0) * head_rows + t * group;
