@@ -97,8 +97,9 @@ inline void packed_tile_rows(int mr, const float* x, int64_t ldx, const float* p
   packed_tile<MR>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch, pf_every);
 }
 
-// All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice. The last panel
-// may be partial (N not a multiple of kPanel): its tiles go through a full-width scratch tile.
+// All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice, into out (row
+// m0's first column of this panel; rows ldo apart). The last panel may be partial (N not a multiple
+// of kPanel): its tiles go through a full-width scratch tile.
 inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* packed, int64_t q,
                          int64_t num_panels, int64_t N, int64_t K, const float* bias, float* out, int64_t ldo) {
   const float* panel = packed + q * K * kPanel;
@@ -114,7 +115,7 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
     const int64_t share = (kKc + tiles - 1) / tiles;  // next-slice rows per tile
     for (int64_t m = m0, t = 0; m < m1; m += kTileM, ++t) {
       const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
-      float* c = out + m * ldo + n0;
+      float* c = out + (m - m0) * ldo;
       const float* prefetch = next ? next + t * share * kPanel : nullptr;
       const int pf_every = int((k1 - k0 + share - 1) / share);
       if (cols == kPanel) {
@@ -150,7 +151,8 @@ PR_EXPORT int linear_packed_f32(const float* x, const float* packed, const float
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
     const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t q = 0; q < num_panels; ++q) packed_panel(x, ldx, m0, m1, packed, q, num_panels, N, K, bias, out, ldo);
+    for (int64_t q = 0; q < num_panels; ++q)
+      packed_panel(x, ldx, m0, m1, packed, q, num_panels, N, K, bias, out + m0 * ldo + q * kPanel, ldo);
   }
   return 0;
 }
@@ -447,8 +449,26 @@ int linear_packed_silu(const T* x, const W* packed, const T* bias, T* out, int64
   static thread_local std::vector<T> scratch;  // the calling thread's: called outside any parallel region
   int rc;
   if constexpr (std::is_same<T, float>::value) {
-    scratch.resize(size_t(M * 2 * I));
-    rc = linear_packed_f32(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+    // Per pair of panels, gate's and up's sums for a chunk of rows into a small scratch (the
+    // thread's own, in cache), then SiLU * up from there: as linear_packed_f32's loops, pairwise.
+    if (num_threads < 1) num_threads = 1;
+    const int64_t N = 2 * I, num_panels = N / kPanel;
+    int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
+    row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
+    for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+#pragma omp parallel num_threads(num_threads)
+      {
+        std::vector<float> pair(size_t((m1 - m0) * 2 * kPanel));
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_panels / 2; ++j) {
+          packed_panel(x, ldx, m0, m1, packed, 2 * j, num_panels, N, K, bias, pair.data(), 2 * kPanel);
+          packed_panel(x, ldx, m0, m1, packed, 2 * j + 1, num_panels, N, K, bias, pair.data() + kPanel, 2 * kPanel);
+          silu_and_mul<float>(pair.data(), out + m0 * ldo + j * kPanel, m1 - m0, kPanel, 2 * kPanel, ldo, kPanel, 1);
+        }
+      }
+    }
+    return 0;
   } else {
 #ifdef PR_HAVE_AMX
     if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true))
