@@ -152,18 +152,29 @@ def packed_in_features(packed: torch.Tensor) -> int:
     return packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 
+def _packed_operands(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                     ) -> tuple[CpuModelOps | None, torch.Tensor]:
+    """(the kernels, x with contiguous rows) where the packed GEMMs can take x, the packed weight and
+    the bias; (None, x) where torch must."""
+    kern = _kernels_for(x, packed)
+    if kern is None:
+        return None, x
+    if x.dim() == 2 and not _rows(x):
+        x = x.contiguous()
+    ok = (_rows(x) and x.shape[1] == packed_in_features(packed)
+          and packed.dim() == (4 if x.dtype is torch.bfloat16 else 3)
+          and (bias is None or (bias.dtype is x.dtype and bias.is_contiguous())))
+    return (kern if ok else None), x
+
+
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
     """x [M, K] @ weight^T (+ bias) with the weight packed by pack_weight: the packed GEMM kernel for
     every M (it keeps up with torch's at prefill sizes and beats it at decode sizes,
     docs/cpu-model-ops.md). With the kernels switched off since packing (torch_only(), tests), torch
     on the unpacked weight: right, and slow."""
-    kern = _kernels_for(x, packed)
-    if kern is not None and x.dim() == 2 and not _rows(x):
-        x = x.contiguous()
-    if (kern is not None and _rows(x) and x.shape[1] == packed_in_features(packed)
-            and packed.dim() == (4 if x.dtype == torch.bfloat16 else 3)
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+    kern, x = _packed_operands(x, packed, bias)
+    if kern is not None:
         m = x.shape[0]
         out = torch.empty(m, out_features, dtype=x.dtype)
         if m == 0:
@@ -284,12 +295,8 @@ def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     """silu(gate) * up [M, I] with [gate | up] = x @ weight^T (+ bias), the weight and bias packed
     by pack_gate_up: one kernel call, the activation fused into the GEMM where it runs on AMX tiles
     (kernels/cpu/model_ops_cpu.cpp, linear_packed_silu). Torch on the unpacked weight otherwise."""
-    kern = _kernels_for(x, packed)
-    if kern is not None and x.dim() == 2 and not _rows(x):
-        x = x.contiguous()
-    if (kern is not None and _rows(x) and x.shape[1] == packed_in_features(packed)
-            and packed.dim() == (4 if x.dtype == torch.bfloat16 else 3)
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+    kern, x = _packed_operands(x, packed, bias)
+    if kern is not None:
         m = x.shape[0]
         out = torch.empty(m, intermediate, dtype=x.dtype)
         if m == 0 or kern.op("linear_packed_silu", x.dtype)(
