@@ -506,9 +506,12 @@ inline void weighted_rows(int rows, float* acc, int64_t hd, const float* p, cons
   }
 }
 
-// Rows [r0, r1) of an item, all seeing the chunk's n keys: kt (transposed K), vf (V rows, fp32).
-inline void attend_rows_tiled(int64_t r0, int64_t r1, const float* qf, float* s, float* acc, float* m, float* l,
-                              float* p, const float* kt, const float* vf, int64_t n, int64_t hd, Prefetcher* pf) {
+// Rows [r0, r1) of an item against a chunk's n keys: kt (transposed K), vf (V rows, fp32). Row r
+// belongs to token t = t0 + (r - r0) / group, which sees the chunk's first min(n, vis + t) keys (at
+// least one): the scores of the keys past those become -inf, so they weigh 0 in its softmax and in V.
+inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, const float* qf,
+                              float* s, float* acc, float* m, float* l, float* p, const float* kt, const float* vf,
+                              int64_t n, int64_t hd, Prefetcher* pf) {
   const int nv = int((n + kVec - 1) / kVec);
   for (int64_t r = r0; r < r1;) {
     int rb;
@@ -519,9 +522,11 @@ inline void attend_rows_tiled(int64_t r0, int64_t r1, const float* qf, float* s,
       [[fallthrough]];
       default: rb = qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
     }
-    for (int j = 0; j < rb; ++j)
-      softmax_chunk(s + (r + j) * kKeysPerChunk, n, hd, m[r + j], l[r + j], acc + (r + j) * hd,
-                    p + j * kKeysPerChunk);
+    for (int j = 0; j < rb; ++j) {
+      float* sr = s + (r + j) * kKeysPerChunk;
+      for (int64_t c = std::min<int64_t>(n, vis + t0 + (r + j - r0) / group); c < n; ++c) sr[c] = -__builtin_inff();
+      softmax_chunk(sr, n, hd, m[r + j], l[r + j], acc + (r + j) * hd, p + j * kKeysPerChunk);
+    }
     for (int j = 0; j < rb; j += kMaxGroupRows)
       weighted_rows(std::min(kMaxGroupRows, rb - j), acc + (r + j) * hd, hd, p + j * kKeysPerChunk, vf, n, pf);
     r += rb;
@@ -619,11 +624,11 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       const int64_t base = row0 + h * hd;
       // All rows of token t see the same keys of this chunk (nr of them); kp / vp: its K and V rows,
       // kstride elements apart, float or bf16.
-      // Tokens [t_full, ntok) see every key of the chunk: together (attend_rows_tiled) when there are
-      // two or more; the others one at a time.
-      const int64_t t_full = std::max<int64_t>(0, p0 + n - 1 - it.pos0);
-      const bool tiled = it.ntok - t_full >= 2;
-      const int64_t t_alone = tiled ? t_full : it.ntok;
+      // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
+      // together (attend_rows_tiled) when there are two or more, else one at a time.
+      const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
+      const bool tiled = it.ntok - t_vis >= 2;
+      const int64_t t_alone = tiled ? 0 : it.ntok;
       auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
         if (tiled) {
           // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
@@ -638,7 +643,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
             for (int64_t c = 0; c < n; ++c)
               for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
           const int64_t r0 = (h - it.kv0) * head_rows;
-          attend_rows_tiled(r0 + t_full * group, r0 + it.ntok * group, qf, s, acc, m, l, p, kt, vf, n, hd, &pf);
+          attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
+                            n, hd, &pf);
         }
         for (int64_t t = 0; t < t_alone; ++t) {
           const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
