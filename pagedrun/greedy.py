@@ -25,10 +25,20 @@ class CpuArgmax:
         self.lib = lib
 
 
+_load_error: str | None = None
+
+
+def load_error() -> str | None:
+    """Why `load()` returned None (None when it has not failed)."""
+    return _load_error
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> CpuArgmax | None:
     """Build (once per machine and source) and load the kernel; None where that is impossible."""
-    return cpu_build.load("PAGEDRUN_CPU_ARGMAX", SOURCE, CpuArgmax)[0]
+    global _load_error
+    lib, _load_error = cpu_build.load("PAGEDRUN_CPU_ARGMAX", SOURCE, CpuArgmax)
+    return lib
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

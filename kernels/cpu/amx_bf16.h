@@ -74,8 +74,8 @@ struct PendingRows {
           }
           // gate and up rounded as the GEMM stores them, then silu_and_mul's operations
           const __m512i gu = amx_bf16_row(g, uv);
-          g = (vgf)(__builtin_convertvector((vgh)_mm512_castsi512_si256(gu), vgu) << 16);
-          uv = (vgf)(__builtin_convertvector((vgh)_mm512_extracti64x4_epi64(gu, 1), vgu) << 16);
+          g = widen_bf16_v((vgh)_mm512_castsi512_si256(gu));
+          uv = widen_bf16_v((vgh)_mm512_extracti64x4_epi64(gu, 1));
           store_bf16_v(o + h, round_bf16_v(silu_v(g)) * uv);
         }
       } else if (cols == kPanel) {
@@ -90,6 +90,7 @@ struct PendingRows {
       }
     }
   }
+  inline void finish() { run(rows - done); }
 };
 
 // Rows [m, m + 16 * blocks) of x (blocks = 1 or 2) times panel (its kPanel columns, K2 pairs), the
@@ -123,7 +124,7 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const int32_t* panel, int6
     }
     if (pending) pending->run(per_step);
   }
-  if (pending) pending->run(32);
+  if (pending) pending->finish();
   _tile_stored(0, acc, kPanel * 4);
   _tile_stored(1, acc + 16, kPanel * 4);
   if constexpr (Blocks == 2) {
@@ -203,7 +204,7 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
         }
       }
     }
-    pending.run(32);
+    pending.finish();
     _tile_release();
   }
   return true;

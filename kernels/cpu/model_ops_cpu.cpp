@@ -442,46 +442,45 @@ int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, in
 // [j * kPanel, (j + 1) * kPanel), panel 2j + 1 up's same columns; bias interleaved alike. I must be
 // a multiple of kPanel. On AMX tiles the activation is the GEMM's epilogue (each thread computes
 // both halves of its output columns, so nothing [M, 2I] is written or read back, nor crosses cores:
-// the plain layout's gate was one core's and its up the other's); elsewhere the GEMM writes the
-// interleaved [M, 2I] into a scratch and silu_and_mul reads it. Same bits either way.
-template <typename T, typename W>
-int linear_packed_silu(const T* x, const W* packed, const T* bias, T* out, int64_t M, int64_t I, int64_t K,
-                       int64_t ldx, int64_t ldo, int num_threads) {
+// the plain layout's gate was one core's and its up the other's); in float32 each thread takes
+// pairs of panels through a small scratch; in bf16 off the tiles the GEMM writes the interleaved
+// [M, 2I] into a scratch and silu_and_mul reads it. The bits of GEMM then silu_and_mul either way.
+inline int linear_packed_silu(const float* x, const float* packed, const float* bias, float* out, int64_t M,
+                              int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
   if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
-  if (M == 0) return 0;
-  static thread_local std::vector<T> scratch;  // the calling thread's: called outside any parallel region
-  int rc;
-  if constexpr (std::is_same<T, float>::value) {
-    // Per pair of panels, gate's and up's sums for a chunk of rows into a small scratch (the
-    // thread's own, in cache), then SiLU * up from there: as linear_packed_f32's loops, pairwise.
-    if (num_threads < 1) num_threads = 1;
-    const int64_t N = 2 * I, num_panels = N / kPanel;
-    int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
-    row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
-    for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
-      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+  if (num_threads < 1) num_threads = 1;
+  // Per pair of panels, gate's and up's sums for a chunk of rows into a small scratch (the thread's
+  // own, in cache), then SiLU * up from there: linear_packed_f32's loops, a pair at a time.
+  const int64_t N = 2 * I, num_panels = N / kPanel;
+  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
+  row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
+  for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+    const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
 #pragma omp parallel num_threads(num_threads)
-      {
-        std::vector<float> pair(size_t((m1 - m0) * 2 * kPanel));
+    {
+      std::vector<float> pair(size_t((m1 - m0) * 2 * kPanel));
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < num_panels / 2; ++j) {
-          packed_panel(x, ldx, m0, m1, packed, 2 * j, num_panels, N, K, bias, pair.data(), 2 * kPanel);
-          packed_panel(x, ldx, m0, m1, packed, 2 * j + 1, num_panels, N, K, bias, pair.data() + kPanel, 2 * kPanel);
-          silu_and_mul<float>(pair.data(), out + m0 * ldo + j * kPanel, m1 - m0, kPanel, 2 * kPanel, ldo, kPanel, 1);
-        }
+      for (int64_t j = 0; j < num_panels / 2; ++j) {
+        packed_panel(x, ldx, m0, m1, packed, 2 * j, num_panels, N, K, bias, pair.data(), 2 * kPanel);
+        packed_panel(x, ldx, m0, m1, packed, 2 * j + 1, num_panels, N, K, bias, pair.data() + kPanel, 2 * kPanel);
+        silu_and_mul<float>(pair.data(), out + m0 * ldo + j * kPanel, m1 - m0, kPanel, 2 * kPanel, ldo, kPanel, 1);
       }
     }
-    return 0;
-  } else {
-#ifdef PR_HAVE_AMX
-    if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true))
-      return 0;
-#endif
-    scratch.resize(size_t(M * 2 * I));
-    rc = linear_packed_bf16(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
   }
-  if (rc != 0) return rc;
-  return silu_and_mul<T>(scratch.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
+  return 0;
+}
+
+inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
+                              int64_t M, int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
+  if (M == 0) return 0;
+#ifdef PR_HAVE_AMX
+  if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true)) return 0;
+#endif
+  static thread_local std::vector<uint16_t> scratch;  // the calling thread's, kept between calls
+  scratch.resize(size_t(M * 2 * I));
+  const int rc = linear_packed_bf16(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+  return rc != 0 ? rc : silu_and_mul<uint16_t>(scratch.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
 }
 
 #define PR_ELEMENTWISE(SUFFIX, T, W)                                                                               \
@@ -500,7 +499,7 @@ int linear_packed_silu(const T* x, const W* packed, const T* bias, T* out, int64
   }                                                                                                             \
   PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,        \
                                             int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \
-    return linear_packed_silu<T, W>(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                      \
+    return linear_packed_silu(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                             \
   }
 PR_ELEMENTWISE(f32, float, float)
 PR_ELEMENTWISE(bf16, uint16_t, int32_t)

@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int kKeysPerChunk = 32;  // keys scored before one softmax update (scores stay in L1)
-constexpr int kRowsPerTile = 192;   // query rows (tokens x group heads) per prefill work item
+constexpr int kRowsPerTile = 192;  // query rows (tokens x group heads) per prefill work item
 constexpr int kMaxGroupRows = 4;   // query rows that share each K/V row loaded (one call of the R-row helpers)
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -435,14 +435,14 @@ inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m
 
 // ---- prefill: many tokens against the same keys ----
 //
-// The tokens of a prefill item that see every key of a chunk (all but those near the diagonal) take
-// it together: the chunk's K transposed once into fp32 kt [hd][kKeysPerChunk] (V widened once into
-// fp32 rows), so a row's scores are kKeysPerChunk / kVec vectors of FMAs over d, broadcasting q:
-// kQkRows rows share each kt load and no lane has to be folded and summed across (per key and row,
-// that horizontal sum cost as much as the dot product itself). Then softmax per row and V in passes
-// of kMaxGroupRows rows, any rows (they all see the same n keys).
-constexpr int kQkAcc = kVec == 16 ? 24 : 12;  // accumulator registers: of AVX-512's 32, of AVX2's 16
-constexpr int kQkRowsMax = kQkAcc;             // rows per pass at one vector of keys (a 16-key block)
+// The tokens of a prefill item that see a chunk take it together: the chunk's K transposed once
+// into fp32 kt [hd][kKeysPerChunk] (V widened once into fp32 rows), so a row's scores are up to
+// kKeysPerChunk / kVec vectors of FMAs over d, broadcasting q: up to kQkAcc rows share each kt load
+// and no lane has to be folded and summed across (per key and row, that horizontal sum cost as much
+// as the dot product itself). A token near the diagonal sees only the chunk's first keys: its other
+// scores become -inf. Then softmax per row and V in passes of kMaxGroupRows rows, any rows.
+constexpr int kQkAcc = kVec == 16 ? 24 : 12;  // accumulator registers: of AVX-512's 32, of AVX2's 16;
+                                              // also the most rows of a pass (one vector of keys)
 
 // Scores s[r][0:NV * kVec] = q[r] . kt[:, c] for RB rows (q rows hd apart, s rows kKeysPerChunk
 // apart); kt's columns past the chunk's keys are zero.
@@ -506,22 +506,24 @@ inline void weighted_rows(int rows, float* acc, int64_t hd, const float* p, cons
   }
 }
 
+// Vectors of keys a pass scores for a chunk of n: 1, 2, or all of them (no 3-vector pass: with
+// 8-wide vectors 17-24 keys take the 4-vector one).
+inline int qk_vectors(int64_t n) {
+  const int nv = int((n + kVec - 1) / kVec);
+  return nv <= 2 ? nv : kKeysPerChunk / kVec;
+}
+
 // Rows [r0, r1) of an item against a chunk's n keys: kt (transposed K), vf (V rows, fp32). Row r
 // belongs to token t = t0 + (r - r0) / group, which sees the chunk's first min(n, vis + t) keys (at
 // least one): the scores of the keys past those become -inf, so they weigh 0 in its softmax and in V.
+// nv: vectors of keys to score (qk_vectors(n)); kt holds zeros in its columns [n, nv * kVec).
 inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, const float* qf,
                               float* s, float* acc, float* m, float* l, float* p, const float* kt, const float* vf,
-                              int64_t n, int64_t hd, Prefetcher* pf) {
-  const int nv = int((n + kVec - 1) / kVec);
+                              int64_t n, int nv, int64_t hd, Prefetcher* pf) {
   for (int64_t r = r0; r < r1;) {
-    int rb;
-    switch (nv) {
-      case 1: rb = qk_pass<1>(r, r1, qf, hd, kt, s); break;
-      case 2: rb = qk_pass<2>(r, r1, qf, hd, kt, s); break;
-      case 3: if constexpr (kKeysPerChunk / kVec >= 3) { rb = qk_pass<3>(r, r1, qf, hd, kt, s); break; }
-      [[fallthrough]];
-      default: rb = qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
-    }
+    const int rb = nv == 1   ? qk_pass<1>(r, r1, qf, hd, kt, s)
+                   : nv == 2 ? qk_pass<2>(r, r1, qf, hd, kt, s)
+                             : qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
     for (int j = 0; j < rb; ++j) {
       float* sr = s + (r + j) * kKeysPerChunk;
       for (int64_t c = std::min<int64_t>(n, vis + t0 + (r + j - r0) / group); c < n; ++c) sr[c] = -__builtin_inff();
@@ -558,7 +560,7 @@ struct Scratch {
     m.resize(rows);
     l.resize(rows);
     s.resize(rows * kKeysPerChunk);
-    p.resize(std::max(kMaxGroupRows, kQkRowsMax) * kKeysPerChunk);
+    p.resize(std::max(kMaxGroupRows, kQkAcc) * kKeysPerChunk);
     k.resize(kKeysPerChunk * hd);
     v.resize(kKeysPerChunk * hd);
     kt.resize(kKeysPerChunk * hd);
@@ -622,10 +624,9 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
     }
     for (int64_t h = it.kv0; h < it.kv1; ++h) {
       const int64_t base = row0 + h * hd;
-      // All rows of token t see the same keys of this chunk (nr of them); kp / vp: its K and V rows,
-      // kstride elements apart, float or bf16.
       // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
-      // together (attend_rows_tiled) when there are two or more, else one at a time.
+      // together (attend_rows_tiled) when there are two or more, else one at a time. kp / vp: the
+      // chunk's K and V rows, kstride elements apart, float or bf16 (or fp32 widened into scratch).
       const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
       const bool tiled = it.ntok - t_vis >= 2;
       const int64_t t_alone = tiled ? 0 : it.ntok;
@@ -634,17 +635,17 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
           float* kt = sc.kt.data();
           float* vf = sc.v.data();
+          const int nv = qk_vectors(n);
           for (int64_t c = 0; c < n; ++c)
             for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(kp[c * kstride + d]);
-          const int64_t padded = (n + kVec - 1) / kVec * kVec;  // the columns qk_tile reads
           for (int64_t d = 0; d < hd; ++d)
-            for (int64_t c = n; c < padded; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
-          if (static_cast<const void*>(vp) != static_cast<const void*>(vf))
+            for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
+          if constexpr (KV::kInPlace)
             for (int64_t c = 0; c < n; ++c)
               for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
           const int64_t r0 = (h - it.kv0) * head_rows;
           attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
-                            n, hd, &pf);
+                            n, nv, hd, &pf);
         }
         for (int64_t t = 0; t < t_alone; ++t) {
           const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);

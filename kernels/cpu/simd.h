@@ -55,22 +55,19 @@ inline float bf16_to_f32(uint16_t b) { return bits_to_float(uint32_t(b) << 16); 
 typedef uint32_t vgu __attribute__((vector_size(4 * kVec)));
 typedef uint16_t vgh __attribute__((vector_size(2 * kVec)));
 typedef uint16_t vghu __attribute__((vector_size(2 * kVec), aligned(2), may_alias));
-// kVec bf16 widened to fp32, and fp32 rounded to bf16 as f32_to_bf16 below, a vector at a time.
-inline vgf load_bf16_v(const uint16_t* p) {
-  return (vgf)(__builtin_convertvector(*reinterpret_cast<const vghu*>(p), vgu) << 16);
-}
-// x rounded to bf16 (nearest even, NaN kept quiet: f32_to_bf16 below, per lane) in the low half
-// of each lane, by integer operations.
-inline vgu bf16_bits_v(vgf x) {
+// kVec bf16 widened to fp32 (exact: a bf16 is the top half of an fp32), and fp32 rounded to bf16 as
+// f32_to_bf16 below (nearest even, NaN kept quiet), a vector at a time.
+inline vgf widen_bf16_v(vgh h) { return (vgf)(__builtin_convertvector(h, vgu) << 16); }
+inline vgf load_bf16_v(const uint16_t* p) { return widen_bf16_v(*reinterpret_cast<const vghu*>(p)); }
+inline vgh bf16_v(vgf x) {
   const vgu u = (vgu)x;
   const vgu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const vgu quiet_nan = (u >> 16) | 0x40u;
-  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, vgh);
 }
-inline vgh bf16_v(vgf x) { return __builtin_convertvector(bf16_bits_v(x), vgh); }
 inline void store_bf16_v(uint16_t* p, vgf x) { *reinterpret_cast<vghu*>(p) = bf16_v(x); }
 // x rounded to bf16 and widened back: what a torch bf16 op's result holds, in fp32.
-inline vgf round_bf16_v(vgf x) { return (vgf)(__builtin_convertvector(bf16_v(x), vgu) << 16); }
+inline vgf round_bf16_v(vgf x) { return widen_bf16_v(bf16_v(x)); }
 
 // exp(x) a vector at a time: exp_f32's method (vec8.h: Cephes' polynomial, 0 below -87.3, inf above
 // 88.7, NaN kept) with its multiply-adds fused and, with AVX-512, 2^n applied by vscalefps: half
