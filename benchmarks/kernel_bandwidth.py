@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = parse_configs(a.configs)
     if not gpu_available():
         print("no GPU: cupy.is_available() is false; kernel bandwidth benchmark skipped")
-        return 0
+        return 2  # nothing measured: a caller such as gpu_check.sh must not read this as a pass
     import cupy
 
     dev = cupy.cuda.Device().id
