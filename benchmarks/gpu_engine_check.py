@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"cupy pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.1f} MiB; "
                   f"kernel {getattr(llm.engine.backend, 'last_version', None)}; "
                   f"plan: {llm.engine.memory.summary()[-1]}")
+            prof = llm.engine.memory.profile
+            print(f"  profile: non-torch {prof.non_torch_bytes / 2**20:.0f} MiB, weights {prof.weights_bytes / 2**20:.0f} MiB, "
+                  f"activations {prof.activation_peak_bytes / 2**20:.0f} MiB, reserved slack "
+                  f"{getattr(prof, 'reserved_slack_bytes', 0) / 2**20:.0f} MiB; after the run: non-torch "
+                  f"{(in_use - torch.cuda.memory_reserved()) / 2**20:.0f} MiB, torch reserved "
+                  f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB, KV {llm.engine.memory.kv_cache_bytes / 2**20:.0f} MiB")
             if in_use > limit:
                 failures.append(f"{label} {backend}/{dtype}: {in_use / 2**30:.2f} GiB in use > {limit / 2**30:.2f}")
             del llm, out

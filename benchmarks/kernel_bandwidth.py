@@ -120,6 +120,10 @@ def setup(variant: K.KernelVariant, num_seqs: int, context: int, num_heads: int,
     block_tables = cupy.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, blocks_per_seq))
     seq_lens = cupy.full((num_seqs,), context, dtype=np.int32)
     out = cupy.empty_like(query)
+    # Everything above ran on the legacy default stream; time_kernel launches on a non-blocking stream,
+    # which does not wait for it. Unsynchronised, the first launch read block tables that were not yet
+    # written (the H200's illegal address at 8x16384, 2026-11-26).
+    cupy.cuda.Device().synchronize()
     return out, query, caches, block_tables, seq_lens, kv_read_bytes(variant, num_seqs, context, num_kv_heads)
 
 

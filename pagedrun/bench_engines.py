@@ -7,6 +7,8 @@ time, the outputs, and what the engine knows of its KV cache, each figure labell
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -205,7 +207,10 @@ def _run_hf_continuous(spec: dict, requests: list[BenchRequest]) -> dict:
     ps = spec["page_size"]
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1,
                           pad_token_id=0)
-    cb = ContinuousBatchingConfig(page_size=ps, num_blocks=spec["num_blocks"],
+    # transformers 5.17 called the page size block_size (the H200 image has 5.17); later releases page_size.
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = {"page_size": ps} if "page_size" in fields else {"block_size": ps}
+    cb = ContinuousBatchingConfig(**page, num_blocks=spec["num_blocks"],
                                   max_batch_tokens=spec["max_batch_tokens"],
                                   max_requests_per_batch=spec["max_requests"], allow_block_sharing=True)
     results: dict[str, object] = {}

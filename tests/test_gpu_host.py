@@ -271,6 +271,33 @@ def test_sdpa_prefill_only_step_launches_no_attention_kernel(emu):
                    "float16", "prefill only")
 
 
+def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
+    """What the CUDA memory profile calls so that both decode kernels are loaded (and counted)
+    before it reads the memory in use: v1 and v2 each launch once and return normally."""
+    from pagedrun.attention.emulated_backend import as_numpy
+
+    v = K.KernelVariant("float16", 64, 16)
+    ker = emu("float16")[v]
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(2, 16, 2, 64, generator=g).half()
+    vc = torch.randn(2, 16, 2, 64, generator=g).half()
+    launched = []
+    real = ker.paged_attention
+
+    def spy(*args, **kw):
+        launched.append((kw["version"], args[6]))  # version, max_seq_len
+        return real(*args, **kw)
+
+    ker.paged_attention = spy
+    try:
+        assert paged_step.launch_each_version(ker, as_numpy, kc, vc, torch.float16) == ["v1", "v2"]
+    finally:
+        del ker.paged_attention
+    assert launched == [("v1", 1), ("v2", 1)]
+    quantized = K.PagedKernels(K.KernelVariant("float16", 64, 16, "int8"), None, np)
+    assert paged_step.launch_each_version(quantized, as_numpy, kc, vc, torch.float16) == []
+
+
 # ---------------------------------------------------------------- 2. memory: budget and allocation
 
 from pagedrun.kv import memory as M  # noqa: E402

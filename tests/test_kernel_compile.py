@@ -77,13 +77,71 @@ class Resource:
     stack: int
 
 
+_BUILTIN = {"h": "unsigned char", "f": "float", "i": "int", "a": "signed char", "t": "unsigned short"}
+
+
+def demangle_kernel(mangled: str) -> str:
+    """`_Z25paged_attention_v1_kernelI6__halfLi64E...LN8pagedrun12KvCacheDtypeE1EEv...` ->
+    `paged_attention_v1_kernel<__half, 64, ..., (pagedrun::KvCacheDtype)1>`, as c++filt prints
+    it without the parameters: the only manglings our kernels use. For machines with neither
+    cu++filt nor c++filt on PATH (the H200 image had neither); anything else comes back as is."""
+    m = re.match(r"_Z(\d+)", mangled)
+    if not m:
+        return mangled
+    pos = m.end() + int(m.group(1))
+    name = mangled[m.end():pos]
+    if mangled[pos:pos + 1] != "I":
+        return name
+    pos, args = pos + 1, []
+    while pos < len(mangled) and mangled[pos] != "E":
+        rest = mangled[pos:]
+        lit = re.match(r"Li(-?\d+)E", rest) or re.match(r"Ln(\d+)E", rest)
+        enum = re.match(r"LN((?:\d+[A-Za-z_]\w*?)+)E(\d+)E", rest)
+        cls = re.match(r"(\d+)", rest)
+        if lit:
+            args.append(("-" if rest[1] == "n" else "") + lit.group(1)); pos += lit.end()
+        elif enum:
+            parts, q = [], enum.group(1)
+            while q:
+                n = re.match(r"\d+", q)
+                k = int(n.group()); parts.append(q[n.end():n.end() + k]); q = q[n.end() + k:]
+            args.append(f"({'::'.join(parts)}){enum.group(2)}"); pos += enum.end()
+        elif cls:
+            k = int(cls.group(1)); args.append(rest[cls.end():cls.end() + k]); pos += cls.end() + k
+        elif rest[0] in _BUILTIN:
+            args.append(_BUILTIN[rest[0]]); pos += 1
+        else:
+            return mangled
+    return f"{name}<{', '.join(args)}>"
+
+
 def demangle(names: list[str]) -> list[str]:
     tool = shutil.which("cu++filt") or shutil.which("c++filt")
     if not tool:
-        return names
+        return [demangle_kernel(n) for n in names]
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
     # drop the parameter list: the "(" right after the template's ">" ("(pagedrun::KvCacheDtype)1" stays)
     return [re.sub(r"^void |(?<=>)\(.*$", "", o) for o in out] if len(out) == len(names) else names
+
+
+def test_demangle_kernel_matches_cxxfilt():
+    """The fallback demangler prints what c++filt prints for every mangling our kernels use."""
+    cases = {
+        "_Z18copy_blocks_kernelIhEvPKxS1_S1_i": "copy_blocks_kernel<unsigned char>",
+        "_Z32paged_attention_v2_reduce_kernelI13__nv_bfloat16Li128ELi128ELi512EEvPT_PKfS4_S4_PKii":
+            "paged_attention_v2_reduce_kernel<__nv_bfloat16, 128, 128, 512>",
+        "_Z25paged_attention_v1_kernelI6__halfLi64ELi16ELi128ELN8pagedrun12KvCacheDtypeE0EEvPT_PKS3_PKNS1_14K"
+        "vCacheStorageIS3_XT3_EE4typeESB_PKfSD_ifPKiSF_ii":
+            "paged_attention_v1_kernel<__half, 64, 16, 128, (pagedrun::KvCacheDtype)0>",
+        "_Z24reshape_and_cache_kernelI13__nv_bfloat16LN8pagedrun12KvCacheDtypeE1EEvPKT_S5_PNS1_14KvCacheStor"
+        "ageIS3_XT0_EE4typeES9_PKxiiiiPfSC_": "reshape_and_cache_kernel<__nv_bfloat16, (pagedrun::KvCacheDtype)1>",
+    }
+    for mangled, want in cases.items():
+        assert demangle_kernel(mangled) == want
+    tool = shutil.which("c++filt")
+    if tool:  # the same strings as the tool's, parameters dropped as demangle() drops them
+        out = subprocess.run([tool], input="\n".join(cases), capture_output=True, text=True).stdout.splitlines()
+        assert [re.sub(r"^void |(?<=>)\(.*$", "", o) for o in out] == list(cases.values())
 
 
 def parse_ptxas(log: str) -> list[Resource]:

@@ -124,6 +124,13 @@ class CupyAttentionBackend:
             self.last_version = version
         return out
 
+    def load_decode_kernels(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
+        """Both decode kernels launched once, so that the memory profile counts their code
+        (kv/profiler.py run_profile; paged_step.launch_each_version)."""
+        with self._stream(key_cache.device):
+            paged_step.launch_each_version(self.kernels(key_cache, dtype), as_cupy, key_cache, value_cache, dtype,
+                                           alloc=torch_alloc(key_cache.device))
+
     def copy_blocks(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,

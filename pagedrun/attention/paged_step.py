@@ -147,6 +147,23 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
     return out, version
 
 
+def launch_each_version(ker: K.PagedKernels, wrap: Wrap, key_cache, value_cache, dtype: torch.dtype,
+                        alloc: K.Alloc | None = None) -> list[str]:
+    """v1, then v2 and its reduce, once each: one query per KV head over the first cached token of
+    block 0 (the output is thrown away). CUDA loads a kernel's code on its first launch, and which
+    version a step takes depends on lengths; launched here, both are loaded, and counted, before the
+    memory profile reads what is in use. Not for quantized caches (their scales come per layer)."""
+    if ker.variant.quantized:
+        return []
+    device = key_cache.device
+    q = torch.zeros(1, key_cache.shape[2], key_cache.shape[3], dtype=dtype, device=device)
+    o = torch.empty_like(q)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    return [ker.paged_attention(wrap(o), wrap(q), wrap(key_cache), wrap(value_cache), wrap(table), wrap(lens), 1,
+                                1.0, version=v, alloc=alloc) for v in ("v1", "v2")]
+
+
 def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """One pseudo-sequence per query token: (token -> sequence index, its seq_len).
 
