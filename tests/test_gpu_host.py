@@ -351,6 +351,33 @@ def test_budget_counts_scratch_and_reserved_not_allocated():
     assert "attention scratch at max_model_len" in with_scratch.summary()[1]
 
 
+def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
+    """H200, 2026-11-26: with no more live memory than the plan held, torch's cached blocks of many
+    step shapes took the process 0.04-0.10 GiB past gpu_memory_utilization x total. The plan caps
+    torch's allocator at the limit less what the profile measured outside torch."""
+    r = readings()
+    p = plan(r, u=0.9)
+    outside = p.profile.non_torch_bytes
+    assert outside == (r.total - r.free_after) - r.torch_reserved_after > 0
+    assert p.torch_cap_bytes == int(80 * GiB * 0.9) - outside
+    assert "torch held to" in p.summary()[-1]
+    gathers = M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
+                            cache_cfg=CacheConfig(gpu_memory_utilization=0.9), max_model_len=32768, max_num_seqs=256,
+                            uses_swap=False, host_available_bytes=100 * GiB, gather_layers=32)
+    assert gathers.torch_cap_bytes == 0  # the torch backend's decode copies K/V beyond the plan: no cap
+    override = M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
+                             cache_cfg=CacheConfig(gpu_memory_utilization=0.9, num_blocks=100), max_model_len=32768,
+                             max_num_seqs=256, uses_swap=False, host_available_bytes=100 * GiB)
+    assert override.torch_cap_bytes == 0  # cache.num_blocks: the budget is not the plan's
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))
+    M.cap_torch_memory(p, torch.device("cuda", 0))
+    M.cap_torch_memory(gathers, torch.device("cuda", 0))
+    M.cap_torch_memory(p, torch.device("cpu"))
+    assert calls == [pytest.approx(p.torch_cap_bytes / (80 * GiB)), 1.0]
+
+
 def test_utilization_above_095_warns():
     assert not plan(readings(), u=0.95).warnings
     p = plan(readings(), u=0.97)

@@ -120,8 +120,14 @@ def demangle(names: list[str]) -> list[str]:
     if not tool:
         return [demangle_kernel(n) for n in names]
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-    # drop the parameter list: the "(" right after the template's ">" ("(pagedrun::KvCacheDtype)1" stays)
-    return [re.sub(r"^void |(?<=>)\(.*$", "", o) for o in out] if len(out) == len(names) else names
+    return [tool_form(o) for o in out] if len(out) == len(names) else names
+
+
+def tool_form(demangled: str) -> str:
+    """A demangler's line as the checks read it: no "void ", no parameter list (the "(" right after
+    the template's ">"; "(pagedrun::KvCacheDtype)1" stays), and integer arguments bare: cu++filt
+    writes "(int)64" where c++filt writes "64" (the H200 image's cu++filt, 2026-11-26)."""
+    return re.sub(r"\(int\)(?=-?\d)", "", re.sub(r"^void |(?<=>)\(.*$", "", demangled))
 
 
 def test_demangle_kernel_matches_cxxfilt():
@@ -141,7 +147,9 @@ def test_demangle_kernel_matches_cxxfilt():
     tool = shutil.which("c++filt")
     if tool:  # the same strings as the tool's, parameters dropped as demangle() drops them
         out = subprocess.run([tool], input="\n".join(cases), capture_output=True, text=True).stdout.splitlines()
-        assert [re.sub(r"^void |(?<=>)\(.*$", "", o) for o in out] == list(cases.values())
+        assert [tool_form(o) for o in out] == list(cases.values())
+    cuxxfilt = "void paged_attention_v1_kernel<__half, (int)64, (int)16, (int)128, (pagedrun::KvCacheDtype)0>(int)"
+    assert tool_form(cuxxfilt) == "paged_attention_v1_kernel<__half, 64, 16, 128, (pagedrun::KvCacheDtype)0>"
 
 
 def parse_ptxas(log: str) -> list[Resource]:

@@ -25,7 +25,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.kv.kv_quant import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
-from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
+from pagedrun.kv.memory import MemoryPlan, cap_torch_memory, plan_kv_cache
 from pagedrun.kv.populate import CachePopulator
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
@@ -111,6 +111,7 @@ class LLMEngine:
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
                                         self.dtype, self.device, self.kv_spec,
                                         (recipe.cache.k_scale, recipe.cache.v_scale))
+        cap_torch_memory(self.memory, self.device)
         self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors])
         self._scales_checked = self.cache_engine.layer_scales is None
         self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,

@@ -57,6 +57,12 @@ class MemoryPlan:
     # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
     # the profile pass exercised, at max_model_len (attention_scratch_bytes); inside the budget.
     attention_scratch_bytes: int = 0
+    # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
+    # total - what the profile measured outside torch), set once the cache is allocated
+    # (cap_torch_memory). 0: no cap (CPU, cache.num_blocks, or a backend whose decode gathers K/V
+    # beyond the plan). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
+    # the limit on the H200 (2026-11-26), with no more live memory than the plan holds.
+    torch_cap_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     profile: MemoryProfile | None = None
     warnings: list[str] = field(default_factory=list)
@@ -113,7 +119,9 @@ class MemoryPlan:
             + (f"swap {self.num_cpu_blocks:,} blocks" if self.swap_used else "no swap (preemption_mode recompute)")
             + (f"; decode gather est. {fmt_bytes(self.decode_gather_bytes)}" if self.decode_gather_bytes else "")
             + (f"; attention scratch at max_model_len est. {fmt_bytes(self.attention_scratch_bytes)}"
-               if self.attention_scratch_bytes else ""))
+               if self.attention_scratch_bytes else "")
+            + (f"; torch held to {fmt_bytes(self.torch_cap_bytes)} (derived: the limit - outside torch)"
+               if self.torch_cap_bytes else ""))
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
@@ -231,6 +239,8 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
     plan.swap_used = uses_swap
     if gather_layers:
         plan.decode_gather_bytes = 2 * plan.kv_cache_bytes * 4 // elem_bytes // gather_layers
+    elif cuda and not plan.overridden:
+        plan.torch_cap_bytes = allowed - profile.non_torch_bytes
     _check_physical(plan, cuda, uses_swap, cache_cfg)
     return plan
 
@@ -345,6 +355,8 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     # The emulator runs the CUDA kernels instruction by instruction: far too slow for a 2k-token
     # pass, and its memory says nothing about a GPU's. Profile the CPU with the torch backend.
     backend = make_backend("torch" if name == "emulated" else name, device)
+    if device.type == "cuda":  # an earlier engine's cap in this process must not bound the profile
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     sched = recipe.scheduler
     profile = run_profile(model, model_cfg, backend, dtype=dtype, device=device,
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -364,6 +376,18 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
                        elem_bytes=dtype_bytes(kv_spec.storage), attention_scratch=scratch)
     plan.kv_cache_dtype = kv_spec.name
     return plan
+
+
+def cap_torch_memory(plan: MemoryPlan, device: torch.device) -> None:
+    """Hold torch's caching allocator to plan.torch_cap_bytes (after the cache is allocated): past
+    the cap it frees the blocks it keeps cached and retries before it reports out of memory, so
+    what it holds stays within gpu_memory_utilization beside what lives outside torch. A cap of
+    0 lifts a previous engine's cap in this process (the profile must not run under it)."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    fraction = plan.torch_cap_bytes / total if plan.torch_cap_bytes else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), device)
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:
