@@ -321,8 +321,8 @@ def test_attention_scratch_is_the_v2_worst_case_at_long_context():
     tables = 256 * (2048 + 3) * 4 + 8 * 256
     assert llama8b_scratch(32768) == max(v2, gather) + tables
     assert llama8b_scratch(32768, paged_decode=False) == gather  # the torch backend: SDPA's gather only
-    # 4k context: v1 for >= 512 (rows x heads) blocks; v2 only for up to 512 / 32 = 16 rows
-    assert llama8b_scratch(4096) >= 16 * 32 * 8 * 130 * 4
+    # 4k context: v2 for every decode row (v1 only within one partition)
+    assert llama8b_scratch(4096) >= 256 * 32 * 8 * 130 * 4
     assert llama8b_scratch(512) == 2 * 512 * 8 * 128 * 2 + 512 * 512 + 256 * (32 + 3) * 4 + 8 * 256  # one partition
     assert llama8b_scratch(65536) > llama8b_scratch(32768) > llama8b_scratch(8192)
 

@@ -30,10 +30,11 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
 
-# vLLM's rule: v1 while the logits of a whole sequence fit comfortably in shared memory and there
-# are enough (head, sequence) blocks to fill the GPU; otherwise split sequences into partitions.
-V1_MAX_SEQ_LEN = 8192
-V1_MIN_BLOCKS = 512
+# v1 only for sequences of one partition (<= PARTITION_SIZE tokens). vLLM keeps v1 up to 8,192
+# tokens when (sequences x heads) > 512; on the H200 (2026-11-26, bf16 head 128, 32/8 heads, K/V
+# past 4x L2) v2 was faster at every length of two partitions and more: 8 x 1024 743 vs 360 GB/s,
+# 128 x 1024 1,296 vs 1,096, 64 x 4096 1,391 vs 841, 16 x 8192 1,297 vs 651 (fp8 and int8 caches
+# alike), since v1 leaves one (head, sequence) block to walk the whole sequence.
 
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
 # gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y and
@@ -77,10 +78,8 @@ def num_partitions(max_seq_len: int) -> int:
 
 
 def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
-    """vLLM's choice: v1 when max_seq_len <= 8192 and (one partition or num_seqs * num_heads > 512)."""
-    return max_seq_len <= V1_MAX_SEQ_LEN and (
-        num_partitions(max_seq_len) == 1 or num_seqs * num_heads > V1_MIN_BLOCKS
-    )
+    """v1 when every sequence fits in one partition; v2 (split, then reduced) otherwise."""
+    return num_partitions(max_seq_len) == 1
 
 
 def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int) -> int:

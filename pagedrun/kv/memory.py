@@ -177,9 +177,8 @@ def attention_scratch_bytes(*, num_heads: int, num_kv_heads: int, head_size: int
     v2 = tables = 0
     if paged_decode:
         parts = K.num_partitions(max_model_len)
-        # v2 runs above 8192 tokens, or with few (rows x heads) blocks: the rows it can run with
-        rows = max_num_seqs if max_model_len > K.V1_MAX_SEQ_LEN else min(max_num_seqs, K.V1_MIN_BLOCKS // num_heads)
-        v2 = rows * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
+        # v2 runs for every decode row once a sequence spans two partitions (kernels.use_v1)
+        v2 = max_num_seqs * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
         tables = max_num_seqs * (padded // block_size + 3) * 4 + 8 * max_num_seqs
     return max(gather, v2) + tables
 
