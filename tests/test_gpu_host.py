@@ -110,6 +110,75 @@ def test_torch_strided_takes_the_torch_tensors_strides():
         assert torch_strided(t.numpy(), t, np) is not None
 
 
+class _FakeCupy:
+    """CuPy's names that the pointer-built views use, recording what they are given."""
+
+    class cuda:
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id):
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+    class ndarray:
+        def __init__(self, shape, dtype, memptr, strides):
+            self.shape, self.dtype, self.data, self.strides = shape, np.dtype(dtype), memptr, strides
+
+
+def test_pointer_built_views_match_what_dlpack_gives():
+    """as_cupy's fast path: the address, shape, byte strides and dtype of the tensor (a strided
+    bf16 view as int16), the bytes it spans, the tensor kept alive as the memory's owner."""
+    from pagedrun.attention import cupy_backend as CB
+
+    base = torch.zeros(4, 5, 8, dtype=torch.bfloat16)
+    for t in (base.view(torch.int16)[:, 1:3], base.view(torch.int16), torch.zeros(3, 1, 64),
+              torch.zeros(0, 4, dtype=torch.int32), torch.arange(6, dtype=torch.int64)[::2]):
+        arr = CB.from_pointer(t, _FakeCupy)
+        ref = t.numpy()
+        assert arr.data.ptr == t.data_ptr() and (not ref.size or t.data_ptr() == ref.__array_interface__["data"][0])
+        assert arr.shape == ref.shape and arr.dtype == ref.dtype and (not ref.size or arr.strides == ref.strides)
+        last = max((ref.__array_interface__["data"][0] + sum((n - 1) * s for n, s in zip(ref.shape, ref.strides))
+                    + ref.itemsize) if ref.size else 0, 0)
+        assert arr.data.mem.size == (last - t.data_ptr() if ref.size else 0)
+        assert arr.data.mem.owner is t and arr.data.mem.device_id == 0
+    assert CB.same_view(CB.from_pointer(base.view(torch.int16), _FakeCupy),
+                        CB.from_pointer(base.view(torch.int16), _FakeCupy))
+
+
+def test_as_cupy_keeps_dlpack_for_good_when_a_pointer_view_differs(monkeypatch):
+    from pagedrun.attention import cupy_backend as CB
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
+    monkeypatch.setattr(CB, "_pointer_wraps_ok", True)
+    monkeypatch.setattr(CB, "_checked", 0)
+    dlpack_calls = []
+    honest = CB.from_pointer
+
+    def fake_dlpack(t, xp):
+        dlpack_calls.append(t)
+        return honest(t, xp)
+
+    monkeypatch.setattr(CB, "from_dlpack", fake_dlpack)
+    t = torch.zeros(2, 3, dtype=torch.bfloat16)
+    for _ in range(CB.CHECKED_WRAPS):
+        assert CB.as_cupy(t).dtype == np.int16
+    assert len(dlpack_calls) == CB.CHECKED_WRAPS and CB._pointer_wraps_ok
+    CB.as_cupy(t)  # checked enough: the pointer-built view alone
+    assert len(dlpack_calls) == CB.CHECKED_WRAPS
+
+    monkeypatch.setattr(CB, "_checked", 0)
+    monkeypatch.setattr(CB, "from_pointer", lambda t, xp: _FakeCupy.ndarray(
+        (9,), np.int16, _FakeCupy.cuda.MemoryPointer(_FakeCupy.cuda.UnownedMemory(1, 1, t, 0), 0), (2,)))
+    with pytest.warns(RuntimeWarning, match="DLPack from here on"):
+        CB.as_cupy(t)
+    assert not CB._pointer_wraps_ok
+    n = len(dlpack_calls)
+    CB.as_cupy(t)
+    assert len(dlpack_calls) == n + 1  # DLPack only, from then on
+
+
 # ---------------------------------------------------------------- 3. launch limits
 
 
