@@ -1,6 +1,6 @@
 """Greedy sampling's argmax: each row's index of its first maximum, torch.argmax's answer (the
 first NaN where a row holds one), computed by the C++ kernel of kernels/cpu/argmax_cpu.cpp for
-float32 logits on the CPU and by torch.argmax everywhere else.
+float32 and bfloat16 logits on the CPU and by torch.argmax everywhere else.
 
 Why a kernel: torch.argmax over a decode step's [64, 49152] logits took 2.5 ms on a 2-core Xeon,
 the kernel 0.2-0.3 ms (docs/cpu-model-ops.md). PAGEDRUN_CPU_ARGMAX=0 turns it off.
@@ -22,7 +22,10 @@ class CpuArgmax:
         lib = ctypes.CDLL(str(so_path))
         lib.argmax_rows_f32.restype = ctypes.c_int
         lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        lib.argmax_rows_bf16.restype = ctypes.c_int
+        lib.argmax_rows_bf16.argtypes = lib.argmax_rows_f32.argtypes
         self.lib = lib
+        self.by_dtype = {torch.float32: lib.argmax_rows_f32, torch.bfloat16: lib.argmax_rows_bf16}
 
 
 _load_error: str | None = None
@@ -43,12 +46,12 @@ def load() -> CpuArgmax | None:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] -> [rows] int64 on logits' device: the index of each row's first maximum."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1):
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+            and (logits.dtype is torch.float32 or logits.dtype is torch.bfloat16)):
         kern = load()
         if kern is not None:
             out = torch.empty(logits.shape[0], dtype=torch.long)
-            if kern.lib.argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                                        out.data_ptr(), torch.get_num_threads()) == 0:
+            if kern.by_dtype[logits.dtype](logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                                           out.data_ptr(), torch.get_num_threads()) == 0:
                 return out
     return logits.argmax(dim=-1)

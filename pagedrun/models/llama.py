@@ -28,7 +28,16 @@ from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 
 
-class Linear(nn.Linear):
+class DirectCall:
+    """For the modules inside a decoder layer: calling one runs its forward directly. nn.Module's
+    __call__ checks for hooks first, about 2 us a call, some 250 calls per step (1-2% of a decode
+    step on 2 cores). These modules take no hooks; the decoder layers, called as usual, do."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class Linear(DirectCall, nn.Linear):
     """nn.Linear whose weight, once packed after loading, is in the CPU GEMM kernel's panel layout
     ([N / 16, K, 16] instead of [N, K]: the weight tensor's shape says which)."""
 
@@ -68,7 +77,7 @@ class GateUpLinear(Linear):
         return ops.silu_and_mul(F.linear(x, self.weight, self.bias))
 
 
-class VocabEmbedding(nn.Embedding):
+class VocabEmbedding(DirectCall, nn.Embedding):
     """nn.Embedding whose table may be packed like a Linear weight ([V / 16, H, 16]): with tied
     embeddings the table is also the LM head, and the head's GEMM wants it packed. A lookup then
     gathers token v's row from its panel: packed[v // panel, :, v % panel], the same values."""
@@ -84,7 +93,7 @@ class VocabEmbedding(nn.Embedding):
         return super().forward(ids)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
@@ -117,7 +126,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectCall, nn.Module):
     """RoPE in the "rotate half" layout HF checkpoints use; cos/sin tables precomputed in float32."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -134,7 +143,7 @@ class RotaryEmbedding(nn.Module):
         return ops.rope(positions, q, k, self.cos, self.sin)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -175,7 +184,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -268,12 +277,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, as HF's head gives them. The sampler widens them to float32
+        where it computes with them; greedy rows need no copy (64 x 49,152 bf16: 0.4 ms a step)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         table = self.model.embed_tokens.weight  # tied: the embedding table is the head
         if table.dim() >= 3:
-            return ops.linear_packed(hidden, table, None, self.config.vocab_size).float()
-        return F.linear(hidden, table).float()
+            return ops.linear_packed(hidden, table, None, self.config.vocab_size)
+        return F.linear(hidden, table)
 
     def process_weights_after_loading(self) -> None:
         """Repack the Linear weights (and a tied embedding table, the LM head) for the CPU GEMM
