@@ -224,8 +224,10 @@ inline void bf16_tile(const XRow* __restrict x, int64_t ldx, const int32_t* __re
 #else
     const vgf we0 = bf16_even(w0), wo0 = bf16_odd(w0), we1 = bf16_even(w1), wo1 = bf16_odd(w1);
     for (int i = 0; i < MR; ++i) {
-      const vgf xo = broadcast_v(x_f32(x + i * ldx + 2 * p + 1));
-      const vgf xe = broadcast_v(x_f32(x + i * ldx + 2 * p));
+      // x widened with each pair swapped (linear_packed_bf16): the odd element first, the order
+      // the pair's products are added in
+      const vgf xo = broadcast_v(x_f32(x + i * ldx + 2 * p));
+      const vgf xe = broadcast_v(x_f32(x + i * ldx + 2 * p + 1));
       acc[i][0] = fma_v(xe, we0, fma_v(xo, wo0, acc[i][0]));
       acc[i][1] = fma_v(xe, we1, fma_v(xo, wo1, acc[i][1]));
     }
@@ -241,6 +243,46 @@ inline void bf16_tile_rows(int mr, const XRow* x, int64_t ldx, const int32_t* pa
     if (mr < MR) return bf16_tile_rows<MR - 1>(mr, x, ldx, panel, K2, bias, out, ldo, cols);
   }
   bf16_tile<MR>(x, ldx, panel, K2, bias, out, ldo, cols);
+}
+
+// From this many rows the widening path widens each panel once, into fp32 rows ordered as the
+// products are added (odd element of a pair, then even), and runs the fp32 tile over them: the
+// same FMAs in the same order, so the same bits, without widening every weight pair again for
+// each tile of rows. The per-tile widening took a fifth of the FMA ports, which left bf16 11-12%
+// behind fp32 on AVX2 (docs/cpu-model-ops.md, sixth round); decode steps of a few rows are
+// bound by the weights' bytes, where the per-tile widening costs nothing.
+constexpr int64_t kWidenPanelRows = 2 * kTileM;
+
+// Rows [0, rows) of xs (fp32, each pair swapped as the widening path's x) times one packed bf16
+// panel (K2 pairs), rounded to bf16 with bias into out. As packed_panel does for fp32: the panel a
+// slice of kKc k rows at a time (widened into 16 KiB that stay in L1 while every row tile passes),
+// partial sums continued through an fp32 scratch (exact), rounded once at the end.
+inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const int32_t* panel, int64_t K2,
+                               const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  static_assert(kKc % 2 == 0, "slices of whole pairs");
+  static thread_local std::vector<float> sums;
+  if (sums.size() < size_t(rows * kPanel)) sums.resize(size_t(rows * kPanel));
+  float* c = sums.data();
+  alignas(64) float w[kKc * kPanel];
+  const int64_t K = 2 * K2;
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+    for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
+      const vgi w0 = load_vi(panel + p * kPanel), w1 = load_vi(panel + p * kPanel + kVec);
+      float* r = w + (2 * p - k0) * kPanel;
+      store_v(r, bf16_odd(w0));
+      store_v(r + kVec, bf16_odd(w1));
+      store_v(r + kPanel, bf16_even(w0));
+      store_v(r + kPanel + kVec, bf16_even(w1));
+    }
+    for (int64_t m = 0; m < rows; m += kTileM) {
+      const int mr = rows - m < kTileM ? int(rows - m) : kTileM;
+      packed_tile_rows<kTileM>(mr, xs + m * ldx, ldx, w - k0 * kPanel, k0, k1, c + m * kPanel, kPanel, k0 == 0,
+                               nullptr, nullptr, 1);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    store_bf16_panel_row(out + m * ldo, load_v(c + m * kPanel), load_v(c + m * kPanel + kVec), bias, cols);
 }
 
 PR_EXPORT int packed_gemm_has_bf16_dot() { return kBf16Dot ? 1 : 0; }
@@ -294,16 +336,22 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
       xr = reinterpret_cast<const Bf16XRow*>(x + m0 * ldx);
       ldxr = ldx;
     } else {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t k = 0; k < K; ++k) xw_data[(m - m0) * K + k] = bf16_to_f32(x[m * ldx + k]);
+      for (int64_t m = m0; m < m1; ++m)  // each pair swapped: see bf16_tile
+        for (int64_t k = 0; k < K; ++k) xw_data[(m - m0) * K + (k ^ 1)] = bf16_to_f32(x[m * ldx + k]);
       xr = reinterpret_cast<const Bf16XRow*>(xw_data);
       ldxr = K;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t q = 0; q < num_panels; ++q) {
       const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+      const int64_t rows = m1 - m0;
+      if (!kBf16Dot && rows >= kWidenPanelRows) {
+        bf16_panel_widened(reinterpret_cast<const float*>(xr), ldxr, rows, packed + q * K2 * kPanel, K2,
+                           bias ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo, cols);
+        continue;
+      }
       // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
-      const int64_t rows = m1 - m0, tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
+      const int64_t tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m = m0 + rows * t / tiles;
         const int mr = int(m0 + rows * (t + 1) / tiles - m);
