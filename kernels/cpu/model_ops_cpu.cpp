@@ -45,6 +45,17 @@ namespace {
 constexpr int kPanel = 2 * kVec;
 constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
 constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
+// Up to this many rows (a decode step's) go in one chunk whatever K: a second chunk streams every
+// weight from memory again, which costs more than x's rows spilling from L2 to L3 (fp32, 30 layers
+// of the default model's 576 x 1536 down projection, cold: see docs/cpu-model-ops.md).
+constexpr int64_t kOneChunkRows = 64;
+
+// Rows of x per chunk: kXBytesInL2 of them (whole tiles), or all of them up to kOneChunkRows.
+inline int64_t row_chunk_for(int64_t M, int64_t K, int64_t elem_bytes, int64_t tile) {
+  int64_t chunk = kXBytesInL2 / (K * elem_bytes);
+  chunk = chunk < tile ? tile : chunk / tile * tile;
+  return M <= kOneChunkRows && M > chunk ? M : chunk;
+}
 
 // MR rows of x (row stride ldx) times panel rows [k0, k1) into c (row stride ldc): started from
 // zero when `first`, else continued from c; bias added when given (the last slice). `prefetch`:
@@ -146,8 +157,7 @@ PR_EXPORT int linear_packed_f32(const float* x, const float* packed, const float
   if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return -1;
   if (num_threads < 1) num_threads = 1;
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
-  row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
+  const int64_t row_chunk = row_chunk_for(M, K, sizeof(float), kTileM);
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
     const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -319,8 +329,7 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
   if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
 #endif
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
-  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(Bf16XRow)));
-  row_chunk = row_chunk < kTileMBf16 ? kTileMBf16 : row_chunk / kTileMBf16 * kTileMBf16;
+  const int64_t row_chunk = row_chunk_for(M, K, sizeof(Bf16XRow), kTileMBf16);
   // The widening path's fp32 copy of a chunk of rows: one buffer per calling thread, kept between
   // calls (its pointer taken here: inside the parallel region `xw` would name each worker's own).
   static thread_local std::vector<float> xw;
@@ -500,8 +509,7 @@ inline int linear_packed_silu(const float* x, const float* packed, const float* 
   // Per pair of panels, gate's and up's sums for a chunk of rows into a small scratch (the thread's
   // own, in cache), then SiLU * up from there: linear_packed_f32's loops, a pair at a time.
   const int64_t N = 2 * I, num_panels = N / kPanel;
-  int64_t row_chunk = kXBytesInL2 / (K * int64_t(sizeof(float)));
-  row_chunk = row_chunk < kTileM ? kTileM : row_chunk / kTileM * kTileM;
+  const int64_t row_chunk = row_chunk_for(M, K, sizeof(float), kTileM);
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
     const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
 #pragma omp parallel num_threads(num_threads)
