@@ -447,6 +447,30 @@ def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
     assert calls == [pytest.approx(p.torch_cap_bytes / (80 * GiB)), 1.0]
 
 
+def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monkeypatch):
+    """Under the cap a step that needs more than the plan holds gets torch's out-of-memory; the
+    engine turns it into the budget error naming the fields to change (the CLI prints it in one
+    line; finished outputs are already written)."""
+    from tiny_models import make_tiny_model
+
+    from pagedrun.engine.llm import LLM
+    from pagedrun.errors import PagedrunError
+
+    p = plan(readings(), u=0.9)
+    e = M.step_out_of_memory(p, 2048, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    msg = str(e)
+    assert "\n" not in msg and "a step of 2048 tokens" in msg and "torch held to" in msg
+    assert "scheduler.max_num_batched_tokens" in msg and "Tried to allocate 20.00 MiB" in msg
+    llm = LLM(None, [f"model.path={make_tiny_model('llama', tmp_path / 'm')}", "cache.num_blocks=64"])
+
+    def oom(inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", oom)
+    with pytest.raises(PagedrunError, match=r"a step of 3 tokens ran out of device memory .*1.00 GiB"):
+        llm.generate([[5, 6, 7]])
+
+
 def test_utilization_above_095_warns():
     assert not plan(readings(), u=0.95).warnings
     p = plan(readings(), u=0.97)

@@ -22,10 +22,10 @@ from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, 
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
-from pagedrun.kv.cache_engine import CacheEngine
+from pagedrun.kv.cache_engine import CUDA_OOM, CacheEngine
 from pagedrun.kv.kv_quant import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
-from pagedrun.kv.memory import MemoryPlan, cap_torch_memory, plan_kv_cache
+from pagedrun.kv.memory import MemoryPlan, cap_torch_memory, plan_kv_cache, step_out_of_memory
 from pagedrun.kv.populate import CachePopulator
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
@@ -184,7 +184,10 @@ class LLMEngine:
                        s.seq.num_computed_tokens, self.kv.get_block_table(s.seq.seq_id), s.samples)
             for s in out.scheduled
         ]
-        logits = self.runner.execute(inputs)
+        try:
+            logits = self.runner.execute(inputs)
+        except CUDA_OOM as e:
+            raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in inputs), e) from None
         if not self._scales_checked:  # fp8: every layer's scale was set by this first step's writes
             given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
             check_scales(self.cache_engine.layer_scales, "from the recipe" if given else "calibrated on the first step")

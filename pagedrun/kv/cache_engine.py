@@ -149,7 +149,7 @@ class CacheEngine:
 
 
 # torch.OutOfMemoryError is torch >= 2.5; torch.cuda's name for it is older
-_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+CUDA_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 class KVAllocationError(PagedrunError):
@@ -177,7 +177,7 @@ def allocate_cache(shape: tuple, dtype: torch.dtype, device: torch.device,
             f"{_gib(total)} now (less than at the memory profile: another process?); {fix}")
     try:
         return empty(shape, dtype=dtype, device=device)
-    except _OOM as e:
+    except CUDA_OOM as e:
         free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
         first = str(e).splitlines()[0][:160] if str(e) else "out of memory"
         raise KVAllocationError(

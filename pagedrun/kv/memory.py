@@ -377,6 +377,19 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     return plan
 
 
+def step_out_of_memory(plan: MemoryPlan, num_tokens: int, error: BaseException) -> KVBudgetError:
+    """A CUDA out-of-memory inside a model step as one line with the numbers and what to change
+    (the outputs finished before it are already written)."""
+    first = str(error).splitlines()[0][:160] if str(error) else "out of memory"
+    held = (f"torch held to {fmt_bytes(plan.torch_cap_bytes)} (the limit less "
+            f"{fmt_bytes(plan.profile.non_torch_bytes)} outside torch), " if plan.torch_cap_bytes and plan.profile
+            else "")
+    return KVBudgetError(
+        f"cache.gpu_memory_utilization: a step of {num_tokens} tokens ran out of device memory with {held}"
+        f"the KV cache {fmt_bytes(plan.kv_cache_bytes)} ({first}); lower scheduler.max_num_batched_tokens, "
+        f"or raise cache.gpu_memory_utilization", plan)
+
+
 def cap_torch_memory(plan: MemoryPlan, device: torch.device) -> None:
     """Hold torch's caching allocator to plan.torch_cap_bytes (after the cache is allocated): past
     the cap it frees the blocks it keeps cached and retries before it reports out of memory, so
