@@ -345,8 +345,17 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
       xr = reinterpret_cast<const Bf16XRow*>(x + m0 * ldx);
       ldxr = ldx;
     } else {
-      for (int64_t m = m0; m < m1; ++m)  // each pair swapped: see bf16_tile
-        for (int64_t k = 0; k < K; ++k) xw_data[(m - m0) * K + (k ^ 1)] = bf16_to_f32(x[m * ldx + k]);
+      // Widened with each pair swapped (see bf16_tile), a 32-bit pair at a time into 64 bits: the
+      // high bf16 (odd k) widened into the low float, the low one into the high float. A loop the
+      // compiler vectorises; element by element it ran on one core for ~3% of a 64-row GEMM.
+      for (int64_t m = m0; m < m1; ++m) {
+        uint64_t* row = reinterpret_cast<uint64_t*>(xw_data + (m - m0) * K);
+        for (int64_t p = 0; p < K / 2; ++p) {
+          uint32_t pair;
+          std::memcpy(&pair, x + m * ldx + 2 * p, 4);
+          row[p] = uint64_t(pair & 0xffff0000u) | (uint64_t(pair & 0xffffu) << 48);
+        }
+      }
       xr = reinterpret_cast<const Bf16XRow*>(xw_data);
       ldxr = K;
     }
