@@ -8,7 +8,6 @@ time, the outputs, and what the engine knows of its KV cache, each figure labell
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import re

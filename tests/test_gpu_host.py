@@ -371,6 +371,7 @@ def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
 
 from pagedrun.kv import memory as M  # noqa: E402
 from pagedrun.kv.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
+from pagedrun.kv import torch_cap as TC  # noqa: E402
 from pagedrun.kv.profiler import CudaReadings, cuda_profile  # noqa: E402
 from pagedrun.recipe import CacheConfig  # noqa: E402
 
@@ -402,10 +403,11 @@ def readings(**kw):
     return CudaReadings(**{**base, **kw})
 
 
-def plan(r, u=0.9, scratch=0, mml=32768):
+def plan(r, u=0.9, scratch=0, mml=32768, gather_layers=None, **cache):
     return M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
-                         cache_cfg=CacheConfig(gpu_memory_utilization=u), max_model_len=mml, max_num_seqs=256,
-                         uses_swap=False, host_available_bytes=100 * GiB, attention_scratch=scratch)
+                         cache_cfg=CacheConfig(gpu_memory_utilization=u, **cache), max_model_len=mml, max_num_seqs=256,
+                         uses_swap=False, host_available_bytes=100 * GiB, attention_scratch=scratch,
+                         gather_layers=gather_layers)
 
 
 def test_budget_counts_scratch_and_reserved_not_allocated():
@@ -430,20 +432,16 @@ def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
     assert outside == (r.total - r.free_after) - r.torch_reserved_after > 0
     assert p.torch_cap_bytes == int(80 * GiB * 0.9) - outside
     assert "torch held to" in p.summary()[-1]
-    gathers = M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
-                            cache_cfg=CacheConfig(gpu_memory_utilization=0.9), max_model_len=32768, max_num_seqs=256,
-                            uses_swap=False, host_available_bytes=100 * GiB, gather_layers=32)
+    gathers = plan(r, u=0.9, gather_layers=32)
     assert gathers.torch_cap_bytes == 0  # the torch backend's decode copies K/V beyond the plan: no cap
-    override = M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
-                             cache_cfg=CacheConfig(gpu_memory_utilization=0.9, num_blocks=100), max_model_len=32768,
-                             max_num_seqs=256, uses_swap=False, host_available_bytes=100 * GiB)
+    override = plan(r, u=0.9, num_blocks=100)
     assert override.torch_cap_bytes == 0  # cache.num_blocks: the budget is not the plan's
     calls = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))
-    M.cap_torch_memory(p, torch.device("cuda", 0))
-    M.cap_torch_memory(gathers, torch.device("cuda", 0))
-    M.cap_torch_memory(p, torch.device("cpu"))
+    TC.cap_torch_memory(p, torch.device("cuda", 0))
+    TC.cap_torch_memory(gathers, torch.device("cuda", 0))
+    TC.cap_torch_memory(p, torch.device("cpu"))
     assert calls == [pytest.approx(p.torch_cap_bytes / (80 * GiB)), 1.0]
 
 
@@ -457,7 +455,7 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     from pagedrun.errors import PagedrunError
 
     p = plan(readings(), u=0.9)
-    e = M.step_out_of_memory(p, 2048, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    e = TC.step_out_of_memory(p, 2048, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     msg = str(e)
     assert "\n" not in msg and "a step of 2048 tokens" in msg and "torch held to" in msg
     assert "scheduler.max_num_batched_tokens" in msg and "Tried to allocate 20.00 MiB" in msg

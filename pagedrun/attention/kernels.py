@@ -77,7 +77,7 @@ def num_partitions(max_seq_len: int) -> int:
     return max(1, -(-max_seq_len // PARTITION_SIZE))
 
 
-def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
+def use_v1(max_seq_len: int) -> bool:
     """v1 when every sequence fits in one partition; v2 (split, then reduced) otherwise."""
     return num_partitions(max_seq_len) == 1
 
@@ -235,7 +235,7 @@ class PagedKernels:
         _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
                f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
         if version is None:
-            version = "v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2"
+            version = "v1" if use_v1(max_seq_len) else "v2"
         if version not in ("v1", "v2"):
             raise ValueError(f"paged attention version {version!r}: v1 or v2")
         # A single row may carry a normalised stride (DLPack's size-1 rule); it is never stepped over.

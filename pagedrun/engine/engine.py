@@ -25,8 +25,9 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CUDA_OOM, CacheEngine
 from pagedrun.kv.kv_quant import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
-from pagedrun.kv.memory import MemoryPlan, cap_torch_memory, plan_kv_cache, step_out_of_memory
+from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
 from pagedrun.kv.populate import CachePopulator
+from pagedrun.kv.torch_cap import cap_torch_memory, step_out_of_memory
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.recipe import Recipe

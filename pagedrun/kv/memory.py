@@ -59,7 +59,7 @@ class MemoryPlan:
     attention_scratch_bytes: int = 0
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
-    # (cap_torch_memory). 0: no cap (CPU, cache.num_blocks, or a backend whose decode gathers K/V
+    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks, or a backend whose decode gathers K/V
     # beyond the plan). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
     # the limit on the H200 (2026-11-26), with no more live memory than the plan holds.
     torch_cap_bytes: int = 0
@@ -354,8 +354,6 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     # The emulator runs the CUDA kernels instruction by instruction: far too slow for a 2k-token
     # pass, and its memory says nothing about a GPU's. Profile the CPU with the torch backend.
     backend = make_backend("torch" if name == "emulated" else name, device)
-    if device.type == "cuda":  # an earlier engine's cap in this process must not bound the profile
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
     sched = recipe.scheduler
     profile = run_profile(model, model_cfg, backend, dtype=dtype, device=device,
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -375,31 +373,6 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
                        elem_bytes=dtype_bytes(kv_spec.storage), attention_scratch=scratch)
     plan.kv_cache_dtype = kv_spec.name
     return plan
-
-
-def step_out_of_memory(plan: MemoryPlan, num_tokens: int, error: BaseException) -> KVBudgetError:
-    """A CUDA out-of-memory inside a model step as one line with the numbers and what to change
-    (the outputs finished before it are already written)."""
-    first = str(error).splitlines()[0][:160] if str(error) else "out of memory"
-    held = (f"torch held to {fmt_bytes(plan.torch_cap_bytes)} (the limit less "
-            f"{fmt_bytes(plan.profile.non_torch_bytes)} outside torch), " if plan.torch_cap_bytes and plan.profile
-            else "")
-    return KVBudgetError(
-        f"cache.gpu_memory_utilization: a step of {num_tokens} tokens ran out of device memory with {held}"
-        f"the KV cache {fmt_bytes(plan.kv_cache_bytes)} ({first}); lower scheduler.max_num_batched_tokens, "
-        f"or raise cache.gpu_memory_utilization", plan)
-
-
-def cap_torch_memory(plan: MemoryPlan, device: torch.device) -> None:
-    """Hold torch's caching allocator to plan.torch_cap_bytes (after the cache is allocated): past
-    the cap it frees the blocks it keeps cached and retries before it reports out of memory, so
-    what it holds stays within gpu_memory_utilization beside what lives outside torch. A cap of
-    0 lifts a previous engine's cap in this process (the profile must not run under it)."""
-    if device.type != "cuda":
-        return
-    total = torch.cuda.mem_get_info(device)[1]
-    fraction = plan.torch_cap_bytes / total if plan.torch_cap_bytes else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), device)
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:

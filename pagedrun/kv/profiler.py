@@ -254,6 +254,7 @@ class CudaReadings:
 
 
 def _read_cuda(step, device, dummy_bytes: int) -> dict:
+    torch.cuda.set_per_process_memory_fraction(1.0, device)  # an earlier engine's cap (kv/torch_cap.py)
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()
