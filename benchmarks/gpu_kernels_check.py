@@ -10,6 +10,7 @@ Each prints "<name>: ok ..." or raises. Run from the repository root.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -43,8 +44,10 @@ def small():
         v = T.v2_variants(dt)[0]
         ker = K.cupy_kernels(v)
         case = T.make_case(v, [1, 37, 513, 1100], 4, 2, seed=1)
+        grouped = K.cupy_kernels(dataclasses.replace(v, group=K.group_for(4, 2)))  # 2 query heads per block
         for ver in ("v1", "v2"):
             T.assert_close(run(ker, case, ver)[0], case.reference(), dt, f"{v} {ver}")
+            T.assert_close(run(grouped, case, ver)[0], case.reference(), dt, f"{grouped.variant} {ver}")
         bs, D = v.block_size, v.head_size
         rng = np.random.default_rng(0)
         key = cupy.asarray(T.to_device_dtype(rng.standard_normal((5, 2, D)), dt))
@@ -55,7 +58,7 @@ def small():
                         cupy.asarray(np.array([[0, 3]], np.int64)), bs * 2 * D)
         cupy.cuda.runtime.deviceSynchronize()
         assert bool((kc[3] == kc[0]).all()) and bool((kc.reshape(-1, 2, D)[bs] == key[3]).all())
-    print("small: ok (v1, v2, reduce, reshape_and_cache, copy_blocks x 3 dtypes)")
+    print("small: ok (v1, v2 one-head and grouped, reduce, reshape_and_cache, copy_blocks x 3 dtypes)")
 
 
 def big():
@@ -72,8 +75,10 @@ def big():
     kc[cupy.asarray(top)] = cupy.asarray(case.key_cache)
     vc[cupy.asarray(top)] = cupy.asarray(case.value_cache)
     bt = cupy.asarray(top[case.block_tables].astype(np.int32))
+    grouped = K.cupy_kernels(dataclasses.replace(v, group=4))  # MQA 4/1: one block for all four heads
     for ver in ("v1", "v2"):
         T.assert_close(run(ker, case, ver, kc, vc, bt)[0], case.reference(), "float16", f"big {ver}")
+        T.assert_close(run(grouped, case, ver, kc, vc, bt)[0], case.reference(), "float16", f"big grouped {ver}")
     rng = np.random.default_rng(1)
     key = cupy.asarray(rng.standard_normal((2, 1, 128)).astype(np.float16))
     slots = np.array([(nb - 1) * 16 + 5, 7], np.int64)

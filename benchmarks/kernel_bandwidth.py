@@ -5,8 +5,9 @@ as a fraction of a measured device-to-device copy.
                                            [--kv-cache-dtype auto|fp8_e4m3|fp8_e5m2|int8] [--iters 50] [--json PATH]
 
 Decode attention reads every cached K and V row of every sequence once per kv head group, so its
-roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time (GQA query heads of one kv
-head re-read the same rows, mostly from L2, and are not counted again). What keeps this a
+roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time. With GQA the kernels
+take the query heads of one kv head in one block (--group, default K.group_for); the one-head-per-
+block kernels, which re-read each row once per query head (mostly from L2), are timed beside them. What keeps this a
 bandwidth measurement and not a measurement of Python or of L2:
 
 - launch overhead out: `iters` launches are captured once in a CUDA graph and the graph is timed
@@ -21,12 +22,14 @@ A quantized cache (issue 18) reads 1 byte per element (+ 4-byte K and V scales p
 for int8): bytes counted are those, so GB/s stays comparable to the roof and the `us` column shows
 what the smaller cache buys against --kv-cache-dtype auto at the same configuration.
 
-Rows: the version vLLM's rule picks, then v1 and v2 forced (v1 above 48 KiB of logits opts in to
-more shared memory: 32k tokens need 128 KiB). Prints one line and exits 0 without a GPU.
+Rows: the version kernels.use_v1 picks, then v1 and v2 forced (v1 above 48 KiB of logits opts in to
+more shared memory: 32k tokens need 128 KiB), then the picked version with one head per block
+("1-head"). Prints one line and exits 2 without a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(K.KV_DTYPES))
+    p.add_argument("--group", type=int, default=None,
+                   help="query heads per block (default: K.group_for the heads; 1: one block per query head)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="SEQSxCONTEXT,... (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
@@ -217,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     l2 = int(props.get("l2CacheSize", 50 * 2**20))
-    variant = K.KernelVariant(a.dtype, a.head_size, a.block_size, a.kv_cache_dtype)
+    group = a.group if a.group is not None else K.group_for(a.num_heads, a.num_kv_heads, a.kv_cache_dtype)
+    variant = K.KernelVariant(a.dtype, a.head_size, a.block_size, a.kv_cache_dtype, group)
     ker = K.cupy_kernels(variant, dev)
+    # the one-head-per-block kernels in the same run, for the grouped ones to be compared with
+    one_head = K.cupy_kernels(dataclasses.replace(variant, group=1), dev) if group > 1 else None
     roof = measured_copy_gbs()
     print(f"device: {name}; L2 {l2 / 2**20:.0f} MiB; measured D2D copy {roof:.0f} GB/s (read + written)")
     print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} launches per timing")
     header = (f"{'seqs':>5} {'context':>8} {'KV MiB':>8} {'copies':>6} {'pick':>4} | {'us':>8} {'GB/s':>6} {'% copy':>6}"
-              f" | {'v1 GB/s':>7} {'v2 GB/s':>7} | timed")
+              f" | {'v1 GB/s':>7} {'v2 GB/s':>7} {'1-head':>7} | timed")
     print(header)
     print("-" * len(header))
     rows = []
@@ -234,19 +242,24 @@ def main(argv: list[str] | None = None) -> int:
         out, q, caches, bt, sl, kv_bytes = setup(variant, num_seqs, context, a.num_heads, a.num_kv_heads, copies)
         t_auto, picked, how = time_kernel(ker, out, q, caches, bt, sl, context, scale, None, a.iters)
         forced = {}
-        for v in ("v1", "v2"):
+        for v, k in (("v1", ker), ("v2", ker), ("1-head", one_head)):
+            if k is None:
+                forced[v] = float("nan")
+                continue
             try:
-                forced[v] = kv_bytes / time_kernel(ker, out, q, caches, bt, sl, context, scale, v, a.iters)[0] / 1e9
+                # 1-head: what the picked version takes with one block per query head
+                version = picked if v == "1-head" else v
+                forced[v] = kv_bytes / time_kernel(k, out, q, caches, bt, sl, context, scale, version, a.iters)[0] / 1e9
             except Exception as e:  # e.g. v1's logits beyond the device's shared memory
                 print(f"  {v} forced at {num_seqs}x{context}: {type(e).__name__}: {e}")
                 forced[v] = float("nan")
         bw = kv_bytes / t_auto / 1e9
         row = dict(seqs=num_seqs, context=context, kv_mib=kv_bytes / 2**20, copies=copies, picked=picked,
                    us=t_auto * 1e6, gbs=bw, pct_copy=100 * bw / roof, v1_gbs=forced["v1"], v2_gbs=forced["v2"],
-                   timed=how)
+                   one_head_gbs=forced["1-head"], timed=how)
         rows.append(row)
         print(f"{num_seqs:>5} {context:>8} {row['kv_mib']:>8.0f} {copies:>6} {picked:>4} | {row['us']:>8.1f} {bw:>6.0f}"
-              f" {row['pct_copy']:>5.0f}% | {forced['v1']:>7.0f} {forced['v2']:>7.0f} | {how}")
+              f" {row['pct_copy']:>5.0f}% | {forced['v1']:>7.0f} {forced['v2']:>7.0f} {forced['1-head']:>7.0f} | {how}")
         del out, q, caches, bt, sl
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:

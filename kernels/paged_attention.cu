@@ -60,54 +60,85 @@ __device__ inline float fast_exp(float x) {
 #endif
 }
 
-// Max over the whole thread block. Lane 0 of each warp publishes through red_smem (NUM_WARPS floats),
-// one barrier, then every warp folds the NUM_WARPS values itself. Each call site gets its own
-// red_smem slice, so no trailing barrier is needed before the slice could be reused.
+// Max over the whole thread block of N values at once (a GQA block's N query heads): lane 0 of each
+// warp publishes through red_smem (N * NUM_WARPS floats), one barrier for all N, then every warp
+// folds the NUM_WARPS values itself. Each call site gets its own red_smem slice, so no trailing
+// barrier is needed before the slice could be reused.
+template <int NUM_WARPS, int FIRST_MASK, int N>
+__device__ inline void block_max_n(float (&v)[N], float* red_smem, int warp_idx, int lane) {
+  PR_UNROLL
+  for (int n = 0; n < N; n++) {
+    PR_UNROLL
+    for (int mask = PR_WARP_SIZE / 2; mask >= FIRST_MASK; mask /= 2) {
+      v[n] = fmaxf(v[n], __shfl_xor_sync(PR_FULL_MASK, v[n], mask));
+    }
+    if (lane == 0) red_smem[n * NUM_WARPS + warp_idx] = v[n];
+  }
+  __syncthreads();
+  PR_UNROLL
+  for (int n = 0; n < N; n++) {
+    float m = lane < NUM_WARPS ? red_smem[n * NUM_WARPS + lane] : -PR_FLT_MAX;
+    PR_UNROLL
+    for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
+      m = fmaxf(m, __shfl_xor_sync(PR_FULL_MASK, m, mask));
+    }
+    v[n] = __shfl_sync(PR_FULL_MASK, m, 0);
+  }
+}
+
+template <int NUM_WARPS, int N>
+__device__ inline void block_sum_n(float (&v)[N], float* red_smem, int warp_idx, int lane) {
+  PR_UNROLL
+  for (int n = 0; n < N; n++) {
+    PR_UNROLL
+    for (int mask = PR_WARP_SIZE / 2; mask >= 1; mask /= 2) {
+      v[n] += __shfl_xor_sync(PR_FULL_MASK, v[n], mask);
+    }
+    if (lane == 0) red_smem[n * NUM_WARPS + warp_idx] = v[n];
+  }
+  __syncthreads();
+  PR_UNROLL
+  for (int n = 0; n < N; n++) {
+    float t = lane < NUM_WARPS ? red_smem[n * NUM_WARPS + lane] : 0.f;
+    PR_UNROLL
+    for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
+      t += __shfl_xor_sync(PR_FULL_MASK, t, mask);
+    }
+    v[n] = __shfl_sync(PR_FULL_MASK, t, 0);
+  }
+}
+
 template <int NUM_WARPS, int FIRST_MASK>
 __device__ inline float block_max(float v, float* red_smem, int warp_idx, int lane) {
-  PR_UNROLL
-  for (int mask = PR_WARP_SIZE / 2; mask >= FIRST_MASK; mask /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(PR_FULL_MASK, v, mask));
-  }
-  if (lane == 0) red_smem[warp_idx] = v;
-  __syncthreads();
-  v = lane < NUM_WARPS ? red_smem[lane] : -PR_FLT_MAX;
-  PR_UNROLL
-  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(PR_FULL_MASK, v, mask));
-  }
-  return __shfl_sync(PR_FULL_MASK, v, 0);
+  float a[1] = {v};
+  block_max_n<NUM_WARPS, FIRST_MASK, 1>(a, red_smem, warp_idx, lane);
+  return a[0];
 }
 
 template <int NUM_WARPS>
 __device__ inline float block_sum(float v, float* red_smem, int warp_idx, int lane) {
-  PR_UNROLL
-  for (int mask = PR_WARP_SIZE / 2; mask >= 1; mask /= 2) {
-    v += __shfl_xor_sync(PR_FULL_MASK, v, mask);
-  }
-  if (lane == 0) red_smem[warp_idx] = v;
-  __syncthreads();
-  v = lane < NUM_WARPS ? red_smem[lane] : 0.f;
-  PR_UNROLL
-  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
-    v += __shfl_xor_sync(PR_FULL_MASK, v, mask);
-  }
-  return __shfl_sync(PR_FULL_MASK, v, 0);
+  float a[1] = {v};
+  block_sum_n<NUM_WARPS, 1>(a, red_smem, warp_idx, lane);
+  return a[0];
 }
 
-// One thread block computes one (head, sequence, partition). PARTITION_SIZE == 0: whole sequence (v1).
+// One thread block computes one (GROUP query heads, sequence, partition). PARTITION_SIZE == 0: the
+// whole sequence (v1). GROUP > 1 (GQA): the block's query heads share one KV head, so every K/V row
+// it loads serves GROUP heads (one block per query head read each KV head GROUP times); GROUP == 1
+// is vLLM's one block per query head.
 //
 // QK phase: warp w takes blocks w, w + NUM_WARPS, ...; inside a warp, a thread group of
 // THREAD_GROUP_SIZE = max(32 / BLOCK_SIZE, 1) lanes takes one token of the block, each lane holding
 // every THREAD_GROUP_SIZE-th vector of the key row so a group reads 16 contiguous bytes per step.
-// Softmax: fp32 logits in dynamic shared memory, block-wide max/sum by warp shuffles.
+// Softmax: fp32 logits in dynamic shared memory, a row of `logits_stride` per query head,
+// block-wide max/sum by warp shuffles.
 // PV phase: the key row is contiguous in this layout, so a lane owns V_VEC_SIZE head elements
 // (one 16-byte load) of one token; a warp covers TOKENS_PER_ITER tokens of a block at once, lanes
 // with the same head slice are folded by xor-shuffles, warps by shared memory.
 // A quantized cache (KV_DTYPE != kAuto) has 1-byte elements, so the same 16-byte loads carry twice
 // (fp16/bf16) or four times (fp32) the elements; rows are dequantized to float in registers.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
-          KvCacheDtype KV_DTYPE>
+          KvCacheDtype KV_DTYPE, int GROUP>
 __device__ inline void paged_attention_body(
     float* __restrict__ exp_sums,        // [num_seqs, num_heads, max_num_partitions] (v2 only)
     float* __restrict__ max_logits,      // [num_seqs, num_heads, max_num_partitions] (v2 only)
@@ -125,9 +156,10 @@ __device__ inline void paged_attention_body(
   static_assert(BLOCK_SIZE <= PR_WARP_SIZE && PR_WARP_SIZE % BLOCK_SIZE == 0,
                 "one warp covers whole cache blocks");
   static_assert(!USE_PARTITIONING || PARTITION_SIZE % BLOCK_SIZE == 0, "partitions hold whole blocks");
+  static_assert(GROUP >= 1, "at least one query head per block");
 
-  const int head_idx = blockIdx.x;
-  const int num_heads = gridDim.x;
+  const int head0 = blockIdx.x * GROUP;  // the block's first query head
+  const int num_heads = gridDim.x * GROUP;
   const int seq_idx = blockIdx.y;
   const int partition_idx = blockIdx.z;
   const int max_num_partitions = gridDim.z;
@@ -139,8 +171,8 @@ __device__ inline void paged_attention_body(
   // Block-uniform early exits (before any barrier).
   if (USE_PARTITIONING && partition_idx * PARTITION_SIZE >= seq_len) return;  // nothing to do
   if (seq_len <= 0) {  // empty sequence (padding row): a defined zero output instead of 0/0
-    for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
-      out[((long long)seq_idx * num_heads + head_idx) * HEAD_SIZE + i] = from_float<scalar_t>(0.f);
+    for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
+      out[((long long)seq_idx * num_heads + head0) * HEAD_SIZE + i] = from_float<scalar_t>(0.f);
     }
     return;
   }
@@ -152,19 +184,20 @@ __device__ inline void paged_attention_body(
   const int start_token_idx = start_block_idx * BLOCK_SIZE;
   const int end_token_idx = pr_min(end_block_idx * BLOCK_SIZE, seq_len);
   const int num_tokens = end_token_idx - start_token_idx;
+  const int logits_stride = num_blocks_per_partition * BLOCK_SIZE;  // one query head's logits row
 
   const int num_queries_per_kv = num_heads / num_kv_heads;
-  const int kv_head_idx = head_idx / num_queries_per_kv;
+  const int kv_head_idx = head0 / num_queries_per_kv;  // GROUP divides num_queries_per_kv (host)
   const long long kv_token_stride = (long long)num_kv_heads * HEAD_SIZE;
   const long long kv_block_stride = kv_token_stride * BLOCK_SIZE;
 
-  // ---- q -> shared memory (fp32), read back by every thread group ----
+  // ---- q (GROUP heads, contiguous in the row) -> shared memory (fp32), read by every thread group ----
   constexpr int Q_VEC_SIZE = 16 / sizeof(scalar_t);
   static_assert(HEAD_SIZE % Q_VEC_SIZE == 0, "head_size * sizeof(dtype) must be a multiple of 16");
-  constexpr int NUM_Q_VECS = HEAD_SIZE / Q_VEC_SIZE;
-  __shared__ float q_smem[HEAD_SIZE];
-  __shared__ float red_smem[2 * NUM_WARPS];
-  const scalar_t* q_ptr = q + (long long)seq_idx * q_stride + head_idx * HEAD_SIZE;
+  constexpr int NUM_Q_VECS = GROUP * HEAD_SIZE / Q_VEC_SIZE;
+  __shared__ float q_smem[GROUP * HEAD_SIZE];
+  __shared__ float red_smem[2 * NUM_WARPS * GROUP];
+  const scalar_t* q_ptr = q + (long long)seq_idx * q_stride + head0 * HEAD_SIZE;
   for (int i = thread_idx; i < NUM_Q_VECS; i += NUM_THREADS) {
     const Packed<scalar_t, Q_VEC_SIZE> qv = *reinterpret_cast<const Packed<scalar_t, Q_VEC_SIZE>*>(
         q_ptr + i * Q_VEC_SIZE);
@@ -173,11 +206,11 @@ __device__ inline void paged_attention_body(
   }
   __syncthreads();
 
-  // fp32 logits for this partition's tokens; reused below for the cross-warp output reduction.
+  // fp32 logits [GROUP][logits_stride]; reused below for the cross-warp output reduction.
   extern __shared__ float shared_mem[];
   float* logits = shared_mem;
 
-  // ---- QK: one token per thread group ----
+  // ---- QK: one token per thread group, GROUP dot products per key row loaded ----
   constexpr int THREAD_GROUP_SIZE = pr_max(PR_WARP_SIZE / BLOCK_SIZE, 1);
   constexpr int VEC_SIZE = pr_max(16 / (THREAD_GROUP_SIZE * (int)sizeof(cache_t)), 1);
   static_assert(HEAD_SIZE % (THREAD_GROUP_SIZE * VEC_SIZE) == 0, "head_size must split over a group");
@@ -185,7 +218,11 @@ __device__ inline void paged_attention_body(
   // At most 64 key elements per chunk (32 from a quantized cache, whose conversion needs registers of
   // its own: sm_80 converts fp8 in software): a 1-byte cache packs 16 per load, and 8 such loads
   // converted at once held 160+ registers (block 32). Unquantized variants never reach the cap.
-  constexpr int K_CHUNK_ELEMS = KV_DTYPE == KvCacheDtype::kAuto ? 64 : 32;
+  // A grouped block reads GROUP query values per key element: at most 64 / GROUP key elements per
+  // chunk, so that the chunks loop (unroll 1) and their query reads stay inside it; with whole rows
+  // in one chunk, nvcc hoisted every query value out of the block loop (block 32, head 64, group 4:
+  // 255 registers and 200+ bytes of spill on sm_80).
+  constexpr int K_CHUNK_ELEMS = (KV_DTYPE == KvCacheDtype::kAuto ? 64 : 32) / GROUP;
   constexpr int K_CHUNK_MAX = pr_min(8, pr_max(K_CHUNK_ELEMS / VEC_SIZE, 1));
   constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 && K_CHUNK_MAX >= 8 ? 8
                           : NUM_VECS_PER_THREAD % 4 == 0 && K_CHUNK_MAX >= 4 ? 4
@@ -194,14 +231,18 @@ __device__ inline void paged_attention_body(
   const int thread_group_offset = lane % THREAD_GROUP_SIZE;
   const int* block_table = block_tables + (long long)seq_idx * max_num_blocks_per_seq;
 
-  float qk_max = -PR_FLT_MAX;
+  float qk_max[GROUP];
+  PR_UNROLL
+  for (int g = 0; g < GROUP; g++) qk_max[g] = -PR_FLT_MAX;
   for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
     const long long physical_block_number = block_table[block_idx];
     const int physical_block_offset = group_in_warp;
     const int token_idx = block_idx * BLOCK_SIZE + physical_block_offset;
     const cache_t* k_ptr = k_cache + physical_block_number * kv_block_stride +
                             physical_block_offset * kv_token_stride + kv_head_idx * HEAD_SIZE;
-    float qk = 0.f;
+    float qk[GROUP];
+    PR_UNROLL
+    for (int g = 0; g < GROUP; g++) qk[g] = 0.f;
     // Chunks of K_CHUNK loads in flight: fully unrolled, a 256-wide row held by one lane (block 32)
     // would keep 64+ registers of key live and spill.
     PR_NO_UNROLL
@@ -213,46 +254,65 @@ __device__ inline void paged_attention_body(
         float k[VEC_SIZE];
         kv_to_float<KV_DTYPE>(k, kv.v);
         PR_UNROLL
-        for (int e = 0; e < VEC_SIZE; e++) qk += q_smem[elem + e] * k[e];
+        for (int g = 0; g < GROUP; g++) {
+          PR_UNROLL
+          for (int e = 0; e < VEC_SIZE; e++) qk[g] += q_smem[g * HEAD_SIZE + elem + e] * k[e];
+        }
       }
     }
-    // Fold the group's partial dots; all 32 lanes take part, every lane ends with its group's dot.
-    PR_UNROLL
-    for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) {
-      qk += __shfl_xor_sync(PR_FULL_MASK, qk, mask);
-    }
     // The key row's dequantization scale rides on the softmax scale (one multiply per token).
-    qk *= scale * kv_row_scale<KV_DTYPE>(k_scales, physical_block_number * BLOCK_SIZE + physical_block_offset,
-                                         num_kv_heads, kv_head_idx);
-    if (thread_group_offset == 0) {
-      // Keys past the end may hold anything (even NaN): the select drops them, logit := 0.
-      const bool mask = token_idx >= seq_len;
-      logits[token_idx - start_token_idx] = mask ? 0.f : qk;
-      qk_max = mask ? qk_max : fmaxf(qk_max, qk);
+    const float qk_scale = scale * kv_row_scale<KV_DTYPE>(k_scales, physical_block_number * BLOCK_SIZE +
+                                                          physical_block_offset, num_kv_heads, kv_head_idx);
+    const bool past_end = token_idx >= seq_len;
+    PR_UNROLL
+    for (int g = 0; g < GROUP; g++) {
+      // Fold the group's partial dots; all 32 lanes take part, every lane ends with its group's dot.
+      PR_UNROLL
+      for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) {
+        qk[g] += __shfl_xor_sync(PR_FULL_MASK, qk[g], mask);
+      }
+      const float logit = qk[g] * qk_scale;
+      if (thread_group_offset == 0) {
+        // Keys past the end may hold anything (even NaN): the select drops them, logit := 0.
+        logits[g * logits_stride + token_idx - start_token_idx] = past_end ? 0.f : logit;
+        qk_max[g] = past_end ? qk_max[g] : fmaxf(qk_max[g], logit);
+      }
     }
   }
   // Lanes with thread_group_offset == 0 hold the maxima; xor masks >= THREAD_GROUP_SIZE combine them.
-  qk_max = block_max<NUM_WARPS, THREAD_GROUP_SIZE>(qk_max, red_smem, warp_idx, lane);
+  block_max_n<NUM_WARPS, THREAD_GROUP_SIZE, GROUP>(qk_max, red_smem, warp_idx, lane);
 
-  float exp_sum = 0.f;
-  for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) {
-    const float val = fast_exp(logits[i] - qk_max);
-    logits[i] = val;
-    exp_sum += val;
+  float exp_sum[GROUP];
+  PR_UNROLL
+  for (int g = 0; g < GROUP; g++) {
+    exp_sum[g] = 0.f;
+    for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) {
+      const float val = fast_exp(logits[g * logits_stride + i] - qk_max[g]);
+      logits[g * logits_stride + i] = val;
+      exp_sum[g] += val;
+    }
   }
-  exp_sum = block_sum<NUM_WARPS>(exp_sum, red_smem + NUM_WARPS, warp_idx, lane);
-  // exp_sum >= 1: the maximal logit contributes exp(0).
-  const float inv_sum = 1.f / exp_sum;
-  for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
+  block_sum_n<NUM_WARPS, GROUP>(exp_sum, red_smem + NUM_WARPS * GROUP, warp_idx, lane);
+  PR_UNROLL
+  for (int g = 0; g < GROUP; g++) {
+    // exp_sum >= 1: the maximal logit contributes exp(0).
+    const float inv_sum = 1.f / exp_sum[g];
+    for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) logits[g * logits_stride + i] *= inv_sum;
+  }
   __syncthreads();
 
-  if (USE_PARTITIONING && thread_idx == 0) {
-    const long long idx = ((long long)seq_idx * num_heads + head_idx) * max_num_partitions + partition_idx;
-    max_logits[idx] = qk_max;
-    exp_sums[idx] = exp_sum;
+  if (USE_PARTITIONING && thread_idx < GROUP) {
+    const long long idx = ((long long)seq_idx * num_heads + head0 + thread_idx) * max_num_partitions + partition_idx;
+    PR_UNROLL
+    for (int g = 0; g < GROUP; g++) {  // registers are indexed by constants only: select, do not index
+      if (g == thread_idx) {
+        max_logits[idx] = qk_max[g];
+        exp_sums[idx] = exp_sum[g];
+      }
+    }
   }
 
-  // ---- PV: a lane owns V_VEC_SIZE head elements of one token ----
+  // ---- PV: a lane owns V_VEC_SIZE head elements of one token, for each of the GROUP heads ----
   constexpr int V_VEC_SIZE = 16 / sizeof(cache_t);
   constexpr int NUM_V_VECS = HEAD_SIZE / V_VEC_SIZE;
   constexpr int V_LANES_PER_TOKEN = pr_min(next_pow2(NUM_V_VECS), PR_WARP_SIZE);
@@ -261,11 +321,14 @@ __device__ inline void paged_attention_body(
   const int v_lane = lane % V_LANES_PER_TOKEN;
   const int token_sub = lane / V_LANES_PER_TOKEN;
 
-  float accs[V_VECS_PER_LANE][V_VEC_SIZE];
+  float accs[GROUP][V_VECS_PER_LANE][V_VEC_SIZE];
   PR_UNROLL
-  for (int r = 0; r < V_VECS_PER_LANE; r++) {
+  for (int g = 0; g < GROUP; g++) {
     PR_UNROLL
-    for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] = 0.f;
+    for (int r = 0; r < V_VECS_PER_LANE; r++) {
+      PR_UNROLL
+      for (int e = 0; e < V_VEC_SIZE; e++) accs[g][r][e] = 0.f;
+    }
   }
 
   for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
@@ -275,9 +338,11 @@ __device__ inline void paged_attention_body(
       // V rows past seq_len are never read: they count as zero (0 * NaN garbage would not).
       if (token_idx < seq_len) {
         // The value row's scale rides on its softmax weight.
-        const float p = logits[token_idx - start_token_idx] *
-                        kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t, num_kv_heads,
-                                               kv_head_idx);
+        const float v_scale = kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t,
+                                                     num_kv_heads, kv_head_idx);
+        float p[GROUP];
+        PR_UNROLL
+        for (int g = 0; g < GROUP; g++) p[g] = logits[g * logits_stride + token_idx - start_token_idx] * v_scale;
         const cache_t* v_ptr = v_cache + physical_block_number * kv_block_stride +
                                 t * kv_token_stride + kv_head_idx * HEAD_SIZE;
         PR_UNROLL
@@ -289,7 +354,10 @@ __device__ inline void paged_attention_body(
             float v[V_VEC_SIZE];
             kv_to_float<KV_DTYPE>(v, vv.v);
             PR_UNROLL
-            for (int e = 0; e < V_VEC_SIZE; e++) accs[r][e] += p * v[e];
+            for (int g = 0; g < GROUP; g++) {
+              PR_UNROLL
+              for (int e = 0; e < V_VEC_SIZE; e++) accs[g][r][e] += p[g] * v[e];
+            }
           }
         }
       }
@@ -298,54 +366,61 @@ __device__ inline void paged_attention_body(
 
   // Lanes that share v_lane differ by multiples of V_LANES_PER_TOKEN: fold them by xor-shuffles.
   PR_UNROLL
-  for (int r = 0; r < V_VECS_PER_LANE; r++) {
+  for (int g = 0; g < GROUP; g++) {
     PR_UNROLL
-    for (int e = 0; e < V_VEC_SIZE; e++) {
-      float acc = accs[r][e];
+    for (int r = 0; r < V_VECS_PER_LANE; r++) {
       PR_UNROLL
-      for (int mask = PR_WARP_SIZE / 2; mask >= V_LANES_PER_TOKEN; mask /= 2) {
-        acc += __shfl_xor_sync(PR_FULL_MASK, acc, mask);
+      for (int e = 0; e < V_VEC_SIZE; e++) {
+        float acc = accs[g][r][e];
+        PR_UNROLL
+        for (int mask = PR_WARP_SIZE / 2; mask >= V_LANES_PER_TOKEN; mask /= 2) {
+          acc += __shfl_xor_sync(PR_FULL_MASK, acc, mask);
+        }
+        accs[g][r][e] = acc;
       }
-      accs[r][e] = acc;
     }
   }
 
   // Cross-warp reduction through shared memory: the logits are dead once every warp is past PV.
   __syncthreads();
-  float* out_smem = shared_mem;  // [NUM_WARPS][HEAD_SIZE]
+  float* out_smem = shared_mem;  // [NUM_WARPS][GROUP][HEAD_SIZE]
   if (token_sub == 0) {
     PR_UNROLL
-    for (int r = 0; r < V_VECS_PER_LANE; r++) {
-      const int vec = v_lane + r * V_LANES_PER_TOKEN;
-      if (vec < NUM_V_VECS) {
-        PR_UNROLL
-        for (int e = 0; e < V_VEC_SIZE; e++) {
-          out_smem[warp_idx * HEAD_SIZE + vec * V_VEC_SIZE + e] = accs[r][e];
+    for (int g = 0; g < GROUP; g++) {
+      PR_UNROLL
+      for (int r = 0; r < V_VECS_PER_LANE; r++) {
+        const int vec = v_lane + r * V_LANES_PER_TOKEN;
+        if (vec < NUM_V_VECS) {
+          PR_UNROLL
+          for (int e = 0; e < V_VEC_SIZE; e++) {
+            out_smem[(warp_idx * GROUP + g) * HEAD_SIZE + vec * V_VEC_SIZE + e] = accs[g][r][e];
+          }
         }
       }
     }
   }
   __syncthreads();
-  for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
+  for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {  // i = g * HEAD_SIZE + element
     float acc = 0.f;
     PR_UNROLL
-    for (int w = 0; w < NUM_WARPS; w++) acc += out_smem[w * HEAD_SIZE + i];
+    for (int w = 0; w < NUM_WARPS; w++) acc += out_smem[w * GROUP * HEAD_SIZE + i];
     if (USE_PARTITIONING) {
-      tmp_out[(((long long)seq_idx * num_heads + head_idx) * max_num_partitions + partition_idx) *
-                  HEAD_SIZE + i] = acc;
+      const int g = i / HEAD_SIZE;
+      tmp_out[(((long long)seq_idx * num_heads + head0 + g) * max_num_partitions + partition_idx) *
+                  HEAD_SIZE + i - g * HEAD_SIZE] = acc;
     } else {
-      out[((long long)seq_idx * num_heads + head_idx) * HEAD_SIZE + i] = from_float<scalar_t>(acc);
+      out[((long long)seq_idx * num_heads + head0) * HEAD_SIZE + i] = from_float<scalar_t>(acc);
     }
   }
 }
 
 }  // namespace pagedrun
 
-// Dynamic shared memory (bytes): 4 * max(padded tokens of one block/partition, NUM_WARPS * HEAD_SIZE).
-// Grid (num_heads, num_seqs, 1). KV_DTYPE last and defaulted (vLLM's order), so the unquantized
-// kernels keep their names.
+// Dynamic shared memory (bytes): 4 * GROUP * max(padded tokens of one block/partition,
+// NUM_WARPS * HEAD_SIZE). Grid (num_heads / GROUP, num_seqs, 1). KV_DTYPE and GROUP last and
+// defaulted (vLLM's order), so the unquantized one-head-per-block kernels keep their names.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS,
-          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto>
+          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto, int GROUP = 1>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
     scalar_t* __restrict__ out, const scalar_t* __restrict__ q,
     const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ k_cache,
@@ -353,14 +428,14 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int max_num_blocks_per_seq, const int q_stride) {
-  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, KV_DTYPE>(
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, KV_DTYPE, GROUP>(
       nullptr, nullptr, out, nullptr, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
       block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
 }
 
-// Grid (num_heads, num_seqs, max_num_partitions); partial results are kept in fp32.
+// Grid (num_heads / GROUP, num_seqs, max_num_partitions); partial results are kept in fp32.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
-          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto>
+          pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto, int GROUP = 1>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
     float* __restrict__ exp_sums, float* __restrict__ max_logits, float* __restrict__ tmp_out,
     const scalar_t* __restrict__ q, const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ k_cache,
@@ -368,7 +443,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int max_num_blocks_per_seq, const int q_stride) {
-  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, KV_DTYPE>(
+  pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, KV_DTYPE, GROUP>(
       exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
       block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
 }

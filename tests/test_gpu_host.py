@@ -351,18 +351,30 @@ def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
     kc = torch.randn(2, 16, 2, 64, generator=g).half()
     vc = torch.randn(2, 16, 2, 64, generator=g).half()
     launched = []
-    real = ker.paged_attention
 
-    def spy(*args, **kw):
-        launched.append((kw["version"], args[6]))  # version, max_seq_len
-        return real(*args, **kw)
+    def spy_on(k):
+        real = k.paged_attention
 
-    ker.paged_attention = spy
+        def spy(*args, **kw):
+            launched.append((kw["version"], args[6], kw.get("group")))  # version, max_seq_len, group
+            return real(*args, **kw)
+        return spy
+
+    ker.paged_attention = spy_on(ker)
     try:
         assert paged_step.launch_each_version(ker, as_numpy, kc, vc, torch.float16) == ["v1", "v2"]
     finally:
         del ker.paged_attention
-    assert launched == [("v1", 1), ("v2", 1)]
+    assert launched == [("v1", 1, None), ("v2", 1, None)] or launched == [("v1", 1, 1), ("v2", 1, 1)]
+    # a grouped variant loads its grouped kernels too (a one-query grid alone would pick one head per block)
+    grouped = emu("float16")[K.KernelVariant("float16", 64, 16, "auto", 2)]
+    launched.clear()
+    grouped.paged_attention = spy_on(grouped)
+    try:
+        assert paged_step.launch_each_version(grouped, as_numpy, kc, vc, torch.float16) == ["v1", "v1", "v2", "v2"]
+    finally:
+        del grouped.paged_attention
+    assert launched == [("v1", 1, 1), ("v1", 1, 2), ("v2", 1, 1), ("v2", 1, 2)]
     quantized = K.PagedKernels(K.KernelVariant("float16", 64, 16, "int8"), None, np)
     assert paged_step.launch_each_version(quantized, as_numpy, kc, vc, torch.float16) == []
 
@@ -438,8 +450,14 @@ def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
     assert override.torch_cap_bytes == 0  # cache.num_blocks: the budget is not the plan's
     calls = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))
-    TC.cap_torch_memory(p, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def set_fraction(f, device=None):  # torch's own refuses a torch.device without an index
+        assert isinstance(device, int), device
+        calls.append(f)
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    TC.cap_torch_memory(p, torch.device("cuda"))
     TC.cap_torch_memory(gathers, torch.device("cuda", 0))
     TC.cap_torch_memory(p, torch.device("cpu"))
     assert calls == [pytest.approx(p.torch_cap_bytes / (80 * GiB)), 1.0]
@@ -459,7 +477,8 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     msg = str(e)
     assert "\n" not in msg and "a step of 2048 tokens" in msg and "torch held to" in msg
     assert "scheduler.max_num_batched_tokens" in msg and "Tried to allocate 20.00 MiB" in msg
-    llm = LLM(None, [f"model.path={make_tiny_model('llama', tmp_path / 'm')}", "cache.num_blocks=64"])
+    # on the CPU even where a GPU is visible: the tiny model's head size 16 has no CUDA kernel
+    llm = LLM(None, [f"model.path={make_tiny_model('llama', tmp_path / 'm')}", "cache.num_blocks=64", "model.device=cpu"])
 
     def oom(inputs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")

@@ -9,6 +9,9 @@
   compileProgram / getLoweredName / getCUBIN, the calls cupy.RawModule makes), which needs no GPU
   and no CuPy, only the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels (the dev extra): every
   variant, sm_80 and sm_90. NVRTC rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
+- GQA-grouped attention kernels (GROUP query heads per block): a covering set per dtype, groups
+  2..8 rotating over every head size and block size, group 8 at head 128 and 256 (the most
+  registers) and group 3 at head 64 (SmolLM2's shape, which must not spill), in both gates.
 - Quantized KV caches (issue 18, 3 KV dtypes x 72 variants): a covering set per KV dtype (every head
   size and every block size, the model dtype rotating: 10 variants, 34-35 entry points) for both gates
   and both archs; PAGEDRUN_FULL_KERNEL_GATE=1 compiles all 216 in both.
@@ -42,6 +45,15 @@ def covering_variants() -> list[K.KernelVariant]:
     for di, d in enumerate(K.DTYPES):
         out += [K.KernelVariant(d, h, K.BLOCK_SIZES[(i + di) % 3]) for i, h in enumerate(K.HEAD_SIZES)]
         out += [K.KernelVariant(d, 128, b) for b in K.BLOCK_SIZES]
+    return list(dict.fromkeys(out))
+
+
+def grouped_covering(dtype: str) -> list[K.KernelVariant]:
+    di = list(K.DTYPES).index(dtype)
+    out = [K.KernelVariant(dtype, h, K.BLOCK_SIZES[(i + di) % 3], "auto", 2 + (i + di) % (K.MAX_GROUP - 1))
+           for i, h in enumerate(K.HEAD_SIZES)]
+    out += [K.KernelVariant(dtype, h, b, "auto", K.MAX_GROUP) for h in (128, 256) for b in K.BLOCK_SIZES]
+    out.append(K.KernelVariant(dtype, 64, 16, "auto", 3))
     return list(dict.fromkeys(out))
 
 
@@ -202,7 +214,7 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     variants = K.all_variants() if FULL else covering_variants() if arch == "sm_80" else SMALL_VARIANTS
     groups = []
     for d in K.DTYPES:
-        vs = [v for v in variants if v.dtype == d]
+        vs = [v for v in variants if v.dtype == d] + grouped_covering(d)
         groups.append(list(dict.fromkeys(n for v in vs for n in v.name_expressions())))
     for kv in K.QUANTIZED_KV_DTYPES:  # one more nvcc per quantized KV dtype
         groups.append(list(dict.fromkeys(n for v in quantized_variants(kv) for n in v.name_expressions())))
@@ -218,8 +230,11 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     # The default model's shape (fp16, head 64): the hot decode kernel must not spill at all.
     hot = [r for r in rows if "v1_kernel<__half, 64," in r.kernel]
     assert hot and all(r.spill_stores == 0 for r in hot), [r for r in hot if r.spill_stores]
-    quantized = [r for r in rows if re.search(r"KvCacheDtype\)[123]>$", r.kernel)]
-    assert len(quantized) == sum("KvCacheDtype::" in n for g in groups for n in g), "quantized kernels missing"
+    quantized = [r for r in rows if re.search(r"KvCacheDtype\)[123](, 1)?>$", r.kernel)]
+    assert len(quantized) == sum("KvCacheDtype::" in n and "kAuto" not in n for g in groups for n in g), \
+        "quantized kernels missing"
+    grouped = [r for r in rows if re.search(r"KvCacheDtype\)0, [2-8]>$", r.kernel)]
+    assert len(grouped) == sum("kAuto, " in n for g in groups for n in g), "grouped kernels missing"
 
 
 def _nvrtc_or_skip():
@@ -239,7 +254,8 @@ def test_nvrtc_gate(dtype, arch, capsys):
     """Every variant of one dtype (8 head sizes x 3 block sizes, 5 kernels each) in one NVRTC
     program, as cupy.RawModule would compile it: no error, no warning, every name lowered."""
     includes = _nvrtc_or_skip()
-    names = list(dict.fromkeys(n for v in K.all_variants() if v.dtype == dtype for n in v.name_expressions()))
+    variants = [v for v in K.all_variants() if v.dtype == dtype] + grouped_covering(dtype)
+    names = list(dict.fromkeys(n for v in variants for n in v.name_expressions()))
     try:
         out = nvrtc.compile_program(K.full_source(), names, arch, includes)
     except nvrtc.NvrtcError as e:

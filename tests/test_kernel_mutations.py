@@ -26,7 +26,9 @@ import test_kernels as T  # noqa: E402  (helpers: make_case, run_case, reference
 
 from pagedrun.attention import kernels as K  # noqa: E402
 
-VARIANT = K.KernelVariant("float16", 64, 16)  # thread groups of 2 lanes: the group shuffle is live
+# Thread groups of 2 lanes (the group shuffle is live); 4 query heads over 2 KV heads launch the
+# grouped kernel (2 query heads per block), whose loops over the group the mutants then run through.
+VARIANT = K.KernelVariant("float16", 64, 16, "auto", 2)
 V1_SEQ_LENS = [1, 16, 35, 47, 20]  # 1, an exact block multiple, partial last blocks
 V2_SEQ_LENS = [1, 513, 1200, 700]  # several 512-token partitions
 
@@ -53,8 +55,8 @@ MUTATIONS = [
     Mutation(
         "missing_barrier_before_pv",
         "no __syncthreads between normalising the logits and the PV loop reading other threads' logits",
-        "logits[i] *= inv_sum;\n  __syncthreads();\n",
-        "logits[i] *= inv_sum;\n",
+        "logits[g * logits_stride + i] *= inv_sum;\n  }\n  __syncthreads();\n",
+        "logits[g * logits_stride + i] *= inv_sum;\n  }\n",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(
@@ -67,8 +69,8 @@ MUTATIONS = [
     Mutation(
         "missing_barrier_out_smem",
         "no __syncthreads between the warps' out_smem writes and the cross-warp sum",
-        "          out_smem[warp_idx * HEAD_SIZE + vec * V_VEC_SIZE + e] = accs[r][e];\n        }\n      }\n    }\n  }\n  __syncthreads();\n",
-        "          out_smem[warp_idx * HEAD_SIZE + vec * V_VEC_SIZE + e] = accs[r][e];\n        }\n      }\n    }\n  }\n",
+        "  __syncthreads();\n  for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {",
+        "  for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(
@@ -88,8 +90,8 @@ MUTATIONS = [
     Mutation(
         "gqa_head_mapping",
         "query head -> kv head by modulo instead of division",
-        "const int kv_head_idx = head_idx / num_queries_per_kv;",
-        "const int kv_head_idx = head_idx % num_kv_heads;",
+        "const int kv_head_idx = head0 / num_queries_per_kv;",
+        "const int kv_head_idx = head0 % num_kv_heads;",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(
@@ -109,8 +111,8 @@ MUTATIONS = [
     Mutation(
         "divergent_shuffle",
         "divergent shuffle: only lanes 0-15 take part in the exp-sum warp reduction",
-        "    v += __shfl_xor_sync(PR_FULL_MASK, v, mask);\n  }\n  if (lane == 0)",
-        "    if (lane < 16) v += __shfl_xor_sync(PR_FULL_MASK, v, mask);\n  }\n  if (lane == 0)",
+        "      v[n] += __shfl_xor_sync(PR_FULL_MASK, v[n], mask);\n    }\n    if (lane == 0)",
+        "      if (lane < 16) v[n] += __shfl_xor_sync(PR_FULL_MASK, v[n], mask);\n    }\n    if (lane == 0)",
         1, "v1", (("round_robin", "deadlock"), ("greedy", "deadlock")),
     ),
     Mutation(
@@ -144,9 +146,11 @@ def combined_source(mutations: list[Mutation]) -> str:
     return "".join(parts)
 
 
-def names_for(m: Mutation) -> list[str]:
-    parts = ("v1",) if m.version == "v1" else ("v2",)
-    return [f"{m.id}::{n}" for n in VARIANT.name_expressions(parts)]
+def names_for(m: Mutation, version: str | None = None) -> list[str]:
+    version = version or m.version
+    names = [VARIANT.attention_name(version, VARIANT.group)] + ([VARIANT.reduce_name] if version == "v2" else [])
+    # the grouped names spell pagedrun::KvCacheDtype, which lives in each mutant's namespace here
+    return [f"{m.id}::{n}".replace("pagedrun::", f"{m.id}::pagedrun::") for n in names]
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +159,7 @@ def mutant_module(schedule: str):
 
     everything = [CONTROL, *MUTATIONS]
     names = [n for m in everything for n in names_for(m)]
-    control_v2 = [f"control::{n}" for n in VARIANT.name_expressions(("v2",))]
+    control_v2 = names_for(CONTROL, "v2")
     return EmuModule(
         combined_source(everything), name_expressions=names + control_v2, schedule=schedule,
         filename="kernels/paged_attention.cu (mutants)",
@@ -169,7 +173,7 @@ class _Prefixed:
         self.module, self.prefix = module, prefix
 
     def get_function(self, name: str):
-        return self.module.get_function(f"{self.prefix}::{name}")
+        return self.module.get_function(f"{self.prefix}::{name}".replace("pagedrun::", f"{self.prefix}::pagedrun::"))
 
 
 def outcome(m: Mutation, schedule: str, version: str) -> str:

@@ -186,10 +186,17 @@ def v2_variants(dtype: str) -> list[K.KernelVariant]:
     return [K.KernelVariant(dtype, h, b) for h, b in V2_VARIANTS[dtype]]
 
 
+def grouped_variants(dtype: str) -> list[K.KernelVariant]:
+    """The GQA-grouped variants the backend tests reach (a backend groups by the query's heads)."""
+    cases = [(d, D, bs, H, KVH) for d, D, bs, H, KVH, _ in BACKEND_CASES] + [("float16", 64, 16, 4, 2)]
+    return list(dict.fromkeys(K.KernelVariant(d, D, bs, "auto", K.group_for(H, KVH))
+                              for d, D, bs, H, KVH in cases if d == dtype and K.group_for(H, KVH) > 1))
+
+
 def module_names(dtype: str) -> list[str]:
     v1 = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype))
     names = [n for v in v1 for n in v.name_expressions(("v1",))]
-    names += [n for v in v2_variants(dtype) for n in v.name_expressions(("v2",))]
+    names += [n for v in v2_variants(dtype) + grouped_variants(dtype) for n in v.name_expressions(("v1", "v2"))]
     names += v2_variants(dtype)[0].name_expressions(("cache",))
     return list(dict.fromkeys(names))
 
@@ -203,7 +210,7 @@ def emu_kernels(dtype: str, schedule: str = "round_robin") -> dict[K.KernelVaria
         K.full_source(), name_expressions=module_names(dtype), schedule=schedule,
         filename="kernels/paged_attention.cu",
     )
-    variants = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype))
+    variants = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype) + grouped_variants(dtype))
     return {v: K.PagedKernels(v, module, np) for v in variants}
 
 

@@ -103,11 +103,14 @@ def test_cuda_num_blocks_from_injected_numbers():
     assert p.non_torch_bytes == int(1.5 * GiB)  # (80 - 62) - 16.5
     assert p.torch_other_bytes == 0
     assert p.peak_in_use_bytes == int(19.5 * GiB)
-    assert plan.kv_budget_bytes == int(80 * GiB * 0.9) - int(19.5 * GiB)  # 52.5 GiB
-    assert plan.num_gpu_blocks == 26_880  # 52.5 GiB / 2 MiB
+    # 1% of the 72 GiB limit stays out of the KV budget for torch's cached blocks (held to a cap)
+    assert plan.torch_headroom_bytes == int(80 * GiB * 0.9) // 100 > 256 * MiB
+    assert plan.kv_budget_bytes == int(80 * GiB * 0.9) - int(19.5 * GiB) - plan.torch_headroom_bytes  # 51.78 GiB
+    assert plan.num_gpu_blocks == 26_511  # 51.78 GiB / 2 MiB
     assert plan.capped_to_blocks is None  # no cap on CUDA
-    assert plan.token_capacity == 26_880 * 16
-    assert plan.max_concurrency == pytest.approx(26_880 / 512)
+    assert plan.token_capacity == 26_511 * 16
+    assert plan.max_concurrency == pytest.approx(26_511 / 512)
+    assert "headroom for torch's cache" in plan.budget_source
     assert plan.num_cpu_blocks == 512  # swap_space 1 GiB / 2 MiB
 
 
@@ -115,17 +118,19 @@ def test_cuda_utilisation_below_what_is_in_use():
     with pytest.raises(KVBudgetError) as e:
         cuda_plan(cuda_readings(), gpu_memory_utilization=0.2)
     msg = str(e.value)
-    assert msg.startswith("cache.gpu_memory_utilization: 0.2 x 80.00 GiB = 16.00 GiB is below the 19.50 GiB")
-    assert "3.50 GiB missing" in msg and "at least 0.25" in msg and "\n" not in msg
+    # 19.5 GiB at the peak + 256 MiB headroom (the minimum: 1% of 16 GiB is less)
+    assert msg.startswith("cache.gpu_memory_utilization: 0.2 x 80.00 GiB = 16.00 GiB is below the 19.75 GiB")
+    assert "3.75 GiB missing" in msg and "at least 0.25" in msg and "\n" not in msg
+    assert "headroom for torch's cache 256.0 MiB" in msg
     assert e.value.plan.profile.peak_in_use_bytes == int(19.5 * GiB)  # the table can still be shown
 
 
 def test_cuda_budget_below_one_sequence():
-    with pytest.raises(KVBudgetError) as e:  # 0.25 x 80 - 19.5 = 0.5 GiB = 4096 tokens < 8192
+    with pytest.raises(KVBudgetError) as e:  # 0.25 x 80 - 19.5 - 0.25 headroom = 0.25 GiB = 2048 tokens < 8192
         cuda_plan(cuda_readings(), gpu_memory_utilization=0.25)
     msg = str(e.value)
-    assert "cannot hold one sequence of model.max_model_len=8192 (1.00 GiB); 512.0 MiB missing" in msg
-    assert "at least 0.26" in msg and "model.max_model_len to 4096" in msg
+    assert "cannot hold one sequence of model.max_model_len=8192 (1.00 GiB); 768.0 MiB missing" in msg
+    assert "at least 0.26" in msg and "model.max_model_len to 2048" in msg
 
 
 def test_cuda_non_torch_memory_counts():
@@ -161,7 +166,9 @@ def test_cuda_blocks_never_exceed_budget(total, weights, act, other, util, layer
     except KVBudgetError as e:
         assert "missing" in str(e)
         return
-    assert plan.num_gpu_blocks * bb <= plan.kv_budget_bytes <= int(total * g * util) - prof.peak_in_use_bytes
+    assert plan.num_gpu_blocks * bb <= plan.kv_budget_bytes == (
+        int(total * g * util) - prof.peak_in_use_bytes - plan.torch_headroom_bytes)
+    assert plan.torch_headroom_bytes == max(256 * MiB, int(total * g * util) // 100)
     assert plan.kv_budget_bytes - plan.num_gpu_blocks * bb < bb  # floor: not one more block fits
     assert plan.num_gpu_blocks * bs >= mml  # one sequence of max_model_len always fits
 

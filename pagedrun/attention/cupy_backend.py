@@ -120,13 +120,15 @@ class CupyAttentionBackend:
         self.prefill = prefill
         self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
         self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
+        self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         self.last_version: str | None = None
 
     def kernels(self, cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> K.PagedKernels:
-        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized)."""
+        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized).
+        The variant's group comes from the query heads of the last forward (one module per model)."""
         if model_dtype is None:
             model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
-        return K.cupy_kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype), cache.device.index or 0)
+        return K.cupy_kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype, self._num_heads), cache.device.index or 0)
 
     @contextlib.contextmanager
     def _stream(self, device: torch.device):
@@ -150,7 +152,7 @@ class CupyAttentionBackend:
     ) -> torch.Tensor:
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
-        self._model_dtype = query.dtype
+        self._model_dtype, self._num_heads = query.dtype, int(query.shape[1])
         ker = self.kernels(key_cache, query.dtype)
         device = key_cache.device
         if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write

@@ -46,15 +46,17 @@ class EmulatedAttentionBackend:
         self.prefill = prefill
         self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
         self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
+        self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         # Tests hand in kernels from a module they already compiled (emulator builds cost seconds).
         self._kernels = kernels or (lambda variant: K.emulated_kernels(variant, schedule))
         self.last_version: str | None = None  # "v1" / "v2" of the latest attention launch (tests)
 
     def kernels(self, cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> K.PagedKernels:
-        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized)."""
+        """model_dtype: the query's (default: the cache's own, or the last forward's when quantized).
+        The variant's group comes from the query heads of the last forward (one module per model)."""
         if model_dtype is None:
             model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
-        return self._kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype))
+        return self._kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype, self._num_heads))
 
     def forward(
         self,
@@ -70,7 +72,7 @@ class EmulatedAttentionBackend:
     ) -> torch.Tensor:
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
-        self._model_dtype = query.dtype
+        self._model_dtype, self._num_heads = query.dtype, int(query.shape[1])
         ker = self.kernels(key_cache, query.dtype)
         if ker.variant.kv_dtype in kv_quant.FP8_TORCH:  # a layer's fp8 scale from its first write
             kv_quant.calibrate_fp8_(k_scale, key, ker.variant.kv_dtype)

@@ -17,6 +17,10 @@ NUM_THREADS = 128
 WARP_SIZE = 32
 PARTITION_SIZE = 512
 
+# Query heads per thread block (GQA): a block serving the query heads of one KV head loads each K/V
+# row once for all of them. Up to 8 (Llama 3 70B's 64/8; Qwen2's 7): register use grows with it.
+MAX_GROUP = 8
+
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 # dtype name -> (C type in the kernel, numpy dtype of the arrays handed to it)
@@ -44,6 +48,7 @@ class KernelVariant:
     head_size: int
     block_size: int
     kv_dtype: str = "auto"  # how the cache stores K/V: auto (= dtype) | fp8_e4m3 | fp8_e5m2 | int8
+    group: int = 1  # query heads per attention block compiled beside the one-head kernels (group_for)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +59,8 @@ class KernelVariant:
             raise ValueError(f"block_size {self.block_size}: compiled block sizes are {BLOCK_SIZES}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv cache dtype {self.kv_dtype!r}: the CUDA kernels support {', '.join(KV_DTYPES)}")
+        if not 1 <= self.group <= MAX_GROUP or (self.quantized and self.group > 1):
+            raise ValueError(f"group {self.group}: 1..{MAX_GROUP} query heads per block, 1 for a quantized cache")
 
     @property
     def ctype(self) -> str:
@@ -80,16 +87,24 @@ class KernelVariant:
         """', <enumerator>' for a quantized cache; nothing for auto (the template's default)."""
         return f", {KV_DTYPES[self.kv_dtype][0]}" if self.quantized else ""
 
+    def attention_name(self, version: str, group: int = 1) -> str:
+        """v1 / v2 serving `group` query heads per block; group 1 keeps the template's defaults."""
+        tail = f", {KV_DTYPES[self.kv_dtype][0]}, {group}" if group > 1 else self._kv_arg
+        parts = f", {PARTITION_SIZE}" if version == "v2" else ""
+        return (f"paged_attention_{version}_kernel<{self.ctype}, {self.head_size}, {self.block_size}, "
+                f"{NUM_THREADS}{parts}{tail}>")
+
     @property
     def v1_name(self) -> str:
-        return f"paged_attention_v1_kernel<{self.ctype}, {self.head_size}, {self.block_size}, {NUM_THREADS}{self._kv_arg}>"
+        return self.attention_name("v1")
 
     @property
     def v2_name(self) -> str:
-        return (
-            f"paged_attention_v2_kernel<{self.ctype}, {self.head_size}, {self.block_size}, "
-            f"{NUM_THREADS}, {PARTITION_SIZE}{self._kv_arg}>"
-        )
+        return self.attention_name("v2")
+
+    def launch_group(self, num_heads: int, num_kv_heads: int) -> int:
+        """The grouped kernel's group where it divides the query heads per KV head, else 1."""
+        return self.group if self.group > 1 and (num_heads // num_kv_heads) % self.group == 0 else 1
 
     @property
     def reduce_name(self) -> str:  # reads only fp32 partials: one per model dtype, whatever the cache
@@ -111,15 +126,26 @@ class KernelVariant:
     def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
         """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
         names = []
+        groups = (1, self.group) if self.group > 1 else (1,)
         if "v1" in parts:
-            names.append(self.v1_name)
+            names += [self.attention_name("v1", g) for g in groups]
         if "v2" in parts:
-            names += [self.v2_name, self.reduce_name]
+            names += [self.attention_name("v2", g) for g in groups] + [self.reduce_name]
         if "cache" in parts:
             names += [self.reshape_and_cache_name, self.copy_blocks_name]
             if self.copy_scales_name:
                 names.append(self.copy_scales_name)
         return names
+
+
+def group_for(num_heads: int, num_kv_heads: int, kv_dtype: str = "auto") -> int:
+    """Query heads per block for a model: the largest divisor of num_heads / num_kv_heads up to
+    MAX_GROUP (a ratio of 16 takes two blocks of 8 per KV head); 1 for MHA and quantized caches
+    (a 1-byte cache's 16-element vectors times the group would not fit in registers)."""
+    ratio = num_heads // num_kv_heads if num_kv_heads > 0 and num_heads % num_kv_heads == 0 else 1
+    if kv_dtype != "auto":
+        return 1
+    return max(d for d in range(1, MAX_GROUP + 1) if ratio % d == 0)
 
 
 def all_variants(kv_dtypes: tuple[str, ...] = ("auto",)) -> list[KernelVariant]:

@@ -22,8 +22,8 @@ import numpy as np
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
 from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
 from pagedrun.attention.kernel_variants import (  # noqa: F401  (re-exported)
-    BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, NUM_THREADS, PARTITION_SIZE, QUANTIZED_KV_DTYPES, WARP_SIZE,
-    KernelVariant, all_variants, dtype_name, kv_dtype_name,
+    BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, MAX_GROUP, NUM_THREADS, PARTITION_SIZE, QUANTIZED_KV_DTYPES,
+    WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
 )
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -82,14 +82,32 @@ def use_v1(max_seq_len: int) -> bool:
     return num_partitions(max_seq_len) == 1
 
 
-def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int) -> int:
-    """Bytes: fp32 logits of the longest sequence (whole blocks), reused for the output reduction."""
+# A grouped launch has num_heads / group times fewer blocks. On the H200 (2026-11-26, bf16 head 128,
+# 32/8 heads, group 4, 132 SMs) 8 sequences x 1024 tokens gave v2 128 grouped blocks (569 GB/s)
+# against 512 one-head blocks (743), while every launch of 1,024 grouped blocks or more beat the
+# one-head kernel 1.6-2.1x: under two blocks per SM the group is dropped.
+MIN_BLOCKS_PER_SM = 2
+
+
+def pick_group(variant: KernelVariant, num_heads: int, num_kv_heads: int, blocks_per_head: int, num_sms: int) -> int:
+    """Query heads per block for one launch: the variant's group where it divides the heads per KV
+    head and the grid keeps >= MIN_BLOCKS_PER_SM blocks per SM; else one head per block.
+    blocks_per_head: sequences x partitions."""
+    group = variant.launch_group(num_heads, num_kv_heads)
+    if group > 1 and (num_heads // group) * blocks_per_head < MIN_BLOCKS_PER_SM * num_sms:
+        return 1
+    return group
+
+
+def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int, group: int = 1) -> int:
+    """Bytes: fp32 logits of the longest sequence (whole blocks) per query head of the block,
+    reused for the output reduction."""
     padded = -(-max(max_seq_len, 1) // block_size) * block_size
-    return 4 * max(padded, (NUM_THREADS // WARP_SIZE) * head_size)
+    return 4 * group * max(padded, (NUM_THREADS // WARP_SIZE) * head_size)
 
 
-def v2_shared_mem(head_size: int) -> int:
-    return 4 * max(PARTITION_SIZE, (NUM_THREADS // WARP_SIZE) * head_size)
+def v2_shared_mem(head_size: int, group: int = 1) -> int:
+    return 4 * group * max(PARTITION_SIZE, (NUM_THREADS // WARP_SIZE) * head_size)
 
 
 def reduce_shared_mem(max_num_partitions: int) -> int:
@@ -133,6 +151,7 @@ class PagedKernels:
         # The device's sharedMemPerBlockOptin (static + dynamic); None: let the launch report it.
         self.smem_optin = smem_optin
         self.max_grid_y = MAX_GRID_Y  # tests lower it to exercise the chunking
+        self.num_sms = 1  # the device's multiprocessors (pick_group); the emulator counts as one
         self._functions: dict[str, Any] = {}
 
     def function(self, name: str, shared_mem: int = 0) -> Any:
@@ -204,12 +223,14 @@ class PagedKernels:
     def paged_attention(
         self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
         scale: float, version: str | None = None, alloc: Alloc | None = None, k_scales=None, v_scales=None,
+        group: int | None = None,
     ) -> str:
         """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
         k/v_scales: a quantized cache's float32 scales (see reshape_and_cache).
 
         max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
-        Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks).
+        Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks), and
+        `group` the query heads per block (1 or the variant's; default: pick_group).
         More than max_grid_y sequences are launched in chunks of rows (sequences sit on gridDim.y).
         """
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
@@ -238,6 +259,11 @@ class PagedKernels:
             version = "v1" if use_v1(max_seq_len) else "v2"
         if version not in ("v1", "v2"):
             raise ValueError(f"paged attention version {version!r}: v1 or v2")
+        per_head = num_seqs * (num_partitions(max_seq_len) if version == "v2" else 1)
+        if group is None:
+            group = pick_group(self.variant, num_heads, num_kv_heads, per_head, self.num_sms)
+        _check(group in (1, self.variant.launch_group(num_heads, num_kv_heads)),
+               f"group {group}: this variant launches 1 or {self.variant.launch_group(num_heads, num_kv_heads)}")
         # A single row may carry a normalised stride (DLPack's size-1 rule); it is never stepped over.
         q_stride = np.int32(query.strides[0] // query.itemsize if num_seqs > 1 else num_heads * head_size)
         empty = alloc or (lambda shape, dtype: self.xp.empty(shape, dtype=dtype))
@@ -245,11 +271,11 @@ class PagedKernels:
             hi = min(num_seqs, lo + self.max_grid_y)
             rows = (out[lo:hi], query[lo:hi], block_tables[lo:hi], seq_lens[lo:hi])
             self._attention_launch(version, *rows, key_cache, value_cache, k_scales, v_scales, num_kv_heads,
-                                   q_stride, max_seq_len, scale, empty)
+                                   q_stride, max_seq_len, scale, empty, group)
         return version
 
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
-                          k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty) -> None:
+                          k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group) -> None:
         v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         common = (
@@ -257,17 +283,18 @@ class PagedKernels:
             block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride,
         )
         block = (NUM_THREADS, 1, 1)
+        name = v.attention_name(version, group)
         if version == "v1":
-            smem = v1_shared_mem(max_seq_len, head_size, v.block_size)
-            self.function(v.v1_name, smem)((num_heads, num_seqs, 1), block, (out,) + common, shared_mem=smem)
+            smem = v1_shared_mem(max_seq_len, head_size, v.block_size, group)
+            self.function(name, smem)((num_heads // group, num_seqs, 1), block, (out,) + common, shared_mem=smem)
             return
         parts = num_partitions(max_seq_len)
         exp_sums = empty((num_seqs, num_heads, parts), np.float32)
         max_logits = empty((num_seqs, num_heads, parts), np.float32)
         tmp_out = empty((num_seqs, num_heads, parts, head_size), np.float32)
-        smem = v2_shared_mem(head_size)
-        self.function(v.v2_name, smem)(
-            (num_heads, num_seqs, parts), block, (exp_sums, max_logits, tmp_out) + common, shared_mem=smem
+        smem = v2_shared_mem(head_size, group)
+        self.function(name, smem)(
+            (num_heads // group, num_seqs, parts), block, (exp_sums, max_logits, tmp_out) + common, shared_mem=smem
         )
         rsmem = reduce_shared_mem(parts)
         self.function(v.reduce_name, rsmem)(
@@ -351,5 +378,7 @@ def cupy_kernels(variant: KernelVariant, device: int = 0) -> PagedKernels:
     import cupy
 
     ker = build_kernels(cupy_module_factory, [variant], cupy)[variant]
-    ker.smem_optin = int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    ker.smem_optin = int(props["sharedMemPerBlockOptin"])
+    ker.num_sms = int(props["multiProcessorCount"])
     return ker

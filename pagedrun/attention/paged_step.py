@@ -91,14 +91,17 @@ def cached(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: s
     return step
 
 
-def kv_variant(model_dtype: torch.dtype, key_cache: torch.Tensor, kv_cache_dtype: str) -> K.KernelVariant:
-    """The kernel variant for a layer: the model (query) dtype, the cache's layout and storage."""
-    _, block_size, _, head_size = key_cache.shape
+def kv_variant(model_dtype: torch.dtype, key_cache: torch.Tensor, kv_cache_dtype: str,
+               num_heads: int | None = None) -> K.KernelVariant:
+    """The kernel variant for a layer: the model (query) dtype, the cache's layout and storage, and
+    the query heads a block serves (num_heads: the query's; None: one per block)."""
+    _, block_size, num_kv_heads, head_size = key_cache.shape
     kv = K.kv_dtype_name(kv_cache_dtype)
     want = K.KV_DTYPES[kv][2]
     if want is not None and key_cache.dtype != getattr(torch, np.dtype(want).name):
         raise ValueError(f"kv_cache_dtype {kv}: the cache must be stored as {np.dtype(want).name}, not {key_cache.dtype}")
-    return K.KernelVariant(K.dtype_name(model_dtype), int(head_size), int(block_size), kv)
+    group = K.group_for(int(num_heads), int(num_kv_heads), kv) if num_heads else 1
+    return K.KernelVariant(K.dtype_name(model_dtype), int(head_size), int(block_size), kv, group)
 
 
 def prefill_mode(requested: str, variant: K.KernelVariant) -> str:
@@ -149,19 +152,20 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
 
 def launch_each_version(ker: K.PagedKernels, wrap: Wrap, key_cache, value_cache, dtype: torch.dtype,
                         alloc: K.Alloc | None = None) -> list[str]:
-    """v1, then v2 and its reduce, once each: one query per KV head over the first cached token of
-    block 0 (the output is thrown away). CUDA loads a kernel's code on its first launch, and which
+    """v1, then v2 and its reduce, once each per group (one head per block, and the variant's group):
+    the group's queries per KV head over the first cached token of block 0 (the output is thrown away). CUDA loads a kernel's code on its first launch, and which
     version a step takes depends on lengths; launched here, both are loaded, and counted, before the
     memory profile reads what is in use. Not for quantized caches (their scales come per layer)."""
     if ker.variant.quantized:
         return []
     device = key_cache.device
-    q = torch.zeros(1, key_cache.shape[2], key_cache.shape[3], dtype=dtype, device=device)
+    q = torch.zeros(1, key_cache.shape[2] * ker.variant.group, key_cache.shape[3], dtype=dtype, device=device)
     o = torch.empty_like(q)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     lens = torch.ones(1, dtype=torch.int32, device=device)
+    groups = dict.fromkeys((1, ker.variant.group))  # the grid of one query picks one head per block
     return [ker.paged_attention(wrap(o), wrap(q), wrap(key_cache), wrap(value_cache), wrap(table), wrap(lens), 1,
-                                1.0, version=v, alloc=alloc) for v in ("v1", "v2")]
+                                1.0, version=v, alloc=alloc, group=g) for v in ("v1", "v2") for g in groups]
 
 
 def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:

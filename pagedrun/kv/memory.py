@@ -29,6 +29,7 @@ from pagedrun.kv.profiler import MemoryProfile, mem_available_bytes, run_profile
 MiB = 1 << 20
 GiB = 1 << 30
 HIGH_UTILIZATION = 0.95  # above this, warn: the unprofiled remainder has almost no room
+TORCH_HEADROOM_MIN = 256 * MiB  # or 1% of the limit, whichever is more (MemoryPlan.torch_headroom_bytes)
 
 
 # ---------------------------------------------------------------- the plan
@@ -63,6 +64,11 @@ class MemoryPlan:
     # beyond the plan). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
     # the limit on the H200 (2026-11-26), with no more live memory than the plan holds.
     torch_cap_bytes: int = 0
+    # Derived, not measured: kept out of the KV budget under the cap for what torch holds beyond the
+    # profile's peak (blocks cached for step shapes the profile did not run, prefix gathers). With
+    # the cap and no headroom an H200 run (2026-11-26) ran out of memory at a 1,024-token step with
+    # 80 MiB left beside the cache; uncapped, torch had reserved 112 MiB over the profile.
+    torch_headroom_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     profile: MemoryProfile | None = None
     warnings: list[str] = field(default_factory=list)
@@ -193,13 +199,18 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
     blocks_per_seq = -(-max_model_len // bs)
     seq_bytes = blocks_per_seq * bb
     peak = profile.peak_in_use_bytes + (attention_scratch if cuda else 0)
+    capped = cuda and not gather_layers and cache_cfg.num_blocks is None  # kv/torch_cap.py holds torch
+    headroom = 0
     if cuda:
         u = cache_cfg.gpu_memory_utilization
         allowed = int(profile.total_bytes * u)
-        budget = allowed - peak
+        headroom = max(TORCH_HEADROOM_MIN, allowed // 100) if capped else 0
+        budget = allowed - peak - headroom
         source = f"{u:g} x {fmt_bytes(profile.total_bytes)} total - {fmt_bytes(peak)} peak in use"
         if attention_scratch:
             source += f" (incl. {fmt_bytes(attention_scratch)} attention scratch at max_model_len)"
+        if headroom:
+            source += f" - {fmt_bytes(headroom)} headroom for torch's cache (derived)"
     else:
         budget = cache_cfg.kv_cache_bytes(host_available_bytes)
         mem = cache_cfg.kv_cache_memory
@@ -213,7 +224,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         capped_to_blocks=None, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         blocks_from_budget=from_budget, gpu_memory_utilization=cache_cfg.gpu_memory_utilization if cuda else None,
         host_available_bytes=host_available_bytes, profile=profile,
-        attention_scratch_bytes=attention_scratch if cuda else 0,
+        attention_scratch_bytes=attention_scratch if cuda else 0, torch_headroom_bytes=headroom,
     )
     if cuda and cache_cfg.gpu_memory_utilization > HIGH_UTILIZATION:
         plan.warnings.append(
@@ -227,7 +238,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
             plan.warnings.append(f"cache.num_blocks={plan.num_gpu_blocks} holds less than one sequence of "
                                  f"max_model_len={max_model_len} ({blocks_per_seq} blocks); longer requests abort")
     else:
-        _check_budget(plan, budget, seq_bytes, peak, cuda, cache_cfg)
+        _check_budget(plan, budget, seq_bytes, peak + headroom, cuda, cache_cfg)
         # More blocks than 2 x max_num_seqs full-length sequences only keep stale prefix-cache entries;
         # on the CPU, where the budget is a guess shared with the rest of the machine, do not reserve them.
         cap = 2 * max_num_seqs * blocks_per_seq
@@ -238,7 +249,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
     plan.swap_used = uses_swap
     if gather_layers:
         plan.decode_gather_bytes = 2 * plan.kv_cache_bytes * 4 // elem_bytes // gather_layers
-    elif cuda and not plan.overridden:
+    elif capped:
         plan.torch_cap_bytes = allowed - profile.non_torch_bytes
     _check_physical(plan, cuda, uses_swap, cache_cfg)
     return plan
@@ -261,6 +272,7 @@ def _check_budget(plan: MemoryPlan, budget: int, seq_bytes: int, peak: int, cuda
                 f"already in use at the profile's peak (weights {fmt_bytes(p.weights_bytes)}, activations "
                 f"{fmt_bytes(p.activation_peak_bytes)}, outside torch {fmt_bytes(p.non_torch_bytes)}"
                 + (f", attention scratch {fmt_bytes(plan.attention_scratch_bytes)}" if plan.attention_scratch_bytes else "")
+                + (f", headroom for torch's cache {fmt_bytes(plan.torch_headroom_bytes)}" if plan.torch_headroom_bytes else "")
                 + "); "
                 f"{fmt_bytes(peak - total * u)} missing: {fix}", plan)
         if budget < seq_bytes:

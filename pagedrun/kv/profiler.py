@@ -253,8 +253,14 @@ class CudaReadings:
     torch_peak_reserved: int = 0  # max_memory_reserved over the pass (0: not read)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The device's ordinal: set_per_process_memory_fraction refuses a bare torch.device("cuda")
+    (H200, 2026-11-26), which is what the engine holds when the recipe says `cuda`."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _read_cuda(step, device, dummy_bytes: int) -> dict:
-    torch.cuda.set_per_process_memory_fraction(1.0, device)  # an earlier engine's cap (kv/torch_cap.py)
+    torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))  # an earlier engine's cap (kv/torch_cap.py)
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes
+from pagedrun.kv.profiler import cuda_index
 
 
 def step_out_of_memory(plan: MemoryPlan, num_tokens: int, error: BaseException) -> KVBudgetError:
@@ -36,4 +37,4 @@ def cap_torch_memory(plan: MemoryPlan, device: torch.device) -> None:
         return
     total = torch.cuda.mem_get_info(device)[1]
     fraction = plan.torch_cap_bytes / total if plan.torch_cap_bytes else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), device)
+    torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), cuda_index(device))

@@ -177,3 +177,27 @@ def test_gpu_backend_swap_blocks():
     backend.swap_blocks(cpu, gpu, [(0, 1)])  # swap in
     torch.cuda.synchronize()
     assert torch.equal(gpu[1], gpu[5])
+
+
+@pytest.mark.parametrize("case", __import__("test_kernels_grouped").CASES, ids=lambda c: f"{c[0]}-h{c[1]}-b{c[2]}-{c[3]}q{c[4]}kv")
+def test_gpu_grouped_kernels(case):
+    """GQA-grouped v1 / v2 on the GPU against the float64 reference and the one-head kernels."""
+    import cupy
+
+    import test_kernels_grouped as G
+
+    dtype, head, block, heads, kv = case
+    v = G.variant(*case)
+    kers = K.build_kernels(K.cupy_module_factory, [v], cupy)
+    one = K.build_kernels(K.cupy_module_factory, [K.KernelVariant(dtype, head, block)], cupy)
+    c = T.make_case(v, G.SEQ_LENS, heads, kv, seed=head + block + heads)
+    d = {n: cupy.asarray(getattr(c, n)) for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")}
+    for version in ("v1", "v2"):
+        outs = []
+        for ker in (kers[v], next(iter(one.values()))):
+            out = cupy.empty(c.query.shape, dtype=c.query.dtype)
+            ker.paged_attention(out, d["query"], d["key_cache"], d["value_cache"], d["block_tables"],
+                                d["seq_lens_arr"], c.max_seq_len, c.scale, version=version)
+            outs.append(T.to_f64(cupy.asnumpy(out), dtype))
+        T.assert_close(outs[0], c.reference(), dtype, f"gpu grouped {v} {version}")
+        T.assert_close(outs[0], outs[1], dtype, f"gpu grouped vs one-head {v} {version}")
