@@ -262,8 +262,8 @@ def test_profile_batch():
 # ---------------------------------------------------------------- real runs
 
 # Stated in docs/memory.md: engine objects made after the profile, allocator slack. Measured on the
-# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 18 runs, with and without two CPU hogs,
-# and 24.6 MiB in 2 of 27; still under the 64 MiB cache, so a cache left uncounted fails.
+# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 24 runs (8 beside two CPU hogs), and
+# 24.6 MiB in 2 of 28; still under the 64 MiB cache, so a cache left uncounted fails.
 TOLERANCE = 32 * MiB
 
 
