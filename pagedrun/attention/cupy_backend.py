@@ -128,7 +128,8 @@ class CupyAttentionBackend:
         The variant's group comes from the query heads of the last forward (one module per model)."""
         if model_dtype is None:
             model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
-        return K.cupy_kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype, self._num_heads), cache.device.index or 0)
+        variant = paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype, self._num_heads)
+        return K.cupy_kernels(variant, cache.device.index or 0)
 
     @contextlib.contextmanager
     def _stream(self, device: torch.device):
