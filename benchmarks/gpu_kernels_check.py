@@ -25,13 +25,13 @@ from pagedrun.attention import kernels as K  # noqa: E402
 NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")
 
 
-def run(ker, case, version, kc=None, vc=None, bt=None):
+def run(ker, case, version, kc=None, vc=None, bt=None, group=None):
     import cupy
 
     q, k, v, b, s = (cupy.asarray(getattr(case, n)) for n in NAMES)
     out = cupy.empty(case.query.shape, dtype=case.query.dtype)
     used = ker.paged_attention(out, q, k if kc is None else kc, v if vc is None else vc,
-                               b if bt is None else bt, s, case.max_seq_len, case.scale, version=version)
+                               b if bt is None else bt, s, case.max_seq_len, case.scale, version=version, group=group)
     cupy.cuda.runtime.deviceSynchronize()
     return T.to_f64(cupy.asnumpy(out), case.variant.dtype), used
 
@@ -42,12 +42,11 @@ def small():
 
     for dt in T.DTYPES:
         v = T.v2_variants(dt)[0]
-        ker = K.cupy_kernels(v)
+        ker = K.cupy_kernels(dataclasses.replace(v, group=K.group_for(4, 2)))  # and 2 query heads per block
         case = T.make_case(v, [1, 37, 513, 1100], 4, 2, seed=1)
-        grouped = K.cupy_kernels(dataclasses.replace(v, group=K.group_for(4, 2)))  # 2 query heads per block
         for ver in ("v1", "v2"):
-            T.assert_close(run(ker, case, ver)[0], case.reference(), dt, f"{v} {ver}")
-            T.assert_close(run(grouped, case, ver)[0], case.reference(), dt, f"{grouped.variant} {ver}")
+            for g in (1, 2):  # forced: so few blocks would launch one head per block (pick_group)
+                T.assert_close(run(ker, case, ver, group=g)[0], case.reference(), dt, f"{v} {ver} group {g}")
         bs, D = v.block_size, v.head_size
         rng = np.random.default_rng(0)
         key = cupy.asarray(T.to_device_dtype(rng.standard_normal((5, 2, D)), dt))
@@ -65,7 +64,7 @@ def big():
     import cupy
 
     v = K.KernelVariant("float16", 128, 16)
-    ker = K.cupy_kernels(v)
+    ker = K.cupy_kernels(dataclasses.replace(v, group=4))  # and MQA 4/1's one block for all four heads
     case = T.make_case(v, [700, 37], 4, 1, seed=5)  # 2 partitions; kv heads 1 -> 2048 elements per block
     nsmall = case.key_cache.shape[0]
     nb = 2**31 // (16 * 1 * 128) + 4096  # > 2^31 elements per cache (4.3 GB each)
@@ -75,10 +74,10 @@ def big():
     kc[cupy.asarray(top)] = cupy.asarray(case.key_cache)
     vc[cupy.asarray(top)] = cupy.asarray(case.value_cache)
     bt = cupy.asarray(top[case.block_tables].astype(np.int32))
-    grouped = K.cupy_kernels(dataclasses.replace(v, group=4))  # MQA 4/1: one block for all four heads
     for ver in ("v1", "v2"):
-        T.assert_close(run(ker, case, ver, kc, vc, bt)[0], case.reference(), "float16", f"big {ver}")
-        T.assert_close(run(grouped, case, ver, kc, vc, bt)[0], case.reference(), "float16", f"big grouped {ver}")
+        for g in (1, 4):  # forced: two sequences would launch one head per block (pick_group)
+            T.assert_close(run(ker, case, ver, kc, vc, bt, group=g)[0], case.reference(), "float16",
+                           f"big {ver} group {g}")
     rng = np.random.default_rng(1)
     key = cupy.asarray(rng.standard_normal((2, 1, 128)).astype(np.float16))
     slots = np.array([(nb - 1) * 16 + 5, 7], np.int64)

@@ -29,7 +29,6 @@ more shared memory: 32k tokens need 128 KiB), then the picked version with one h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -157,8 +156,9 @@ class FixedScratch:
         return self.buffers[(key, n)]
 
 
-def time_kernel(ker, out, query, caches, block_tables, seq_lens, context, scale, version, iters):
-    """Seconds per launch, the version launched, and how it was timed ("graph" or "queued")."""
+def time_kernel(ker, out, query, caches, block_tables, seq_lens, context, scale, version, iters, group=None):
+    """Seconds per launch, the version launched, and how it was timed ("graph" or "queued").
+    group: forced query heads per block (None: the launcher's pick_group)."""
     import cupy
 
     alloc = FixedScratch()
@@ -167,7 +167,7 @@ def time_kernel(ker, out, query, caches, block_tables, seq_lens, context, scale,
         kc, vc, ks, vs = caches[i % len(caches)]
         alloc.reset()
         return ker.paged_attention(out, query, kc, vc, block_tables, seq_lens, context, scale,
-                                   version=version, alloc=alloc, k_scales=ks, v_scales=vs)
+                                   version=version, alloc=alloc, k_scales=ks, v_scales=vs, group=group)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     l2 = int(props.get("l2CacheSize", 50 * 2**20))
     group = a.group if a.group is not None else K.group_for(a.num_heads, a.num_kv_heads, a.kv_cache_dtype)
     variant = K.KernelVariant(a.dtype, a.head_size, a.block_size, a.kv_cache_dtype, group)
-    ker = K.cupy_kernels(variant, dev)
-    # the one-head-per-block kernels in the same run, for the grouped ones to be compared with
-    one_head = K.cupy_kernels(dataclasses.replace(variant, group=1), dev) if group > 1 else None
+    ker = K.cupy_kernels(variant, dev)  # its module holds the one-head-per-block kernels too
     roof = measured_copy_gbs()
     print(f"device: {name}; L2 {l2 / 2**20:.0f} MiB; measured D2D copy {roof:.0f} GB/s (read + written)")
     print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} launches per timing")
@@ -242,14 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         out, q, caches, bt, sl, kv_bytes = setup(variant, num_seqs, context, a.num_heads, a.num_kv_heads, copies)
         t_auto, picked, how = time_kernel(ker, out, q, caches, bt, sl, context, scale, None, a.iters)
         forced = {}
-        for v, k in (("v1", ker), ("v2", ker), ("1-head", one_head)):
-            if k is None:
+        # 1-head: the picked version with one block per query head, for the grouped ones to be compared with
+        for v, version, g in (("v1", "v1", None), ("v2", "v2", None), ("1-head", picked, 1)):
+            if v == "1-head" and group == 1:
                 forced[v] = float("nan")
                 continue
             try:
-                # 1-head: what the picked version takes with one block per query head
-                version = picked if v == "1-head" else v
-                forced[v] = kv_bytes / time_kernel(k, out, q, caches, bt, sl, context, scale, version, a.iters)[0] / 1e9
+                forced[v] = kv_bytes / time_kernel(ker, out, q, caches, bt, sl, context, scale, version, a.iters,
+                                                   g)[0] / 1e9
             except Exception as e:  # e.g. v1's logits beyond the device's shared memory
                 print(f"  {v} forced at {num_seqs}x{context}: {type(e).__name__}: {e}")
                 forced[v] = float("nan")

@@ -152,10 +152,11 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
 
 def launch_each_version(ker: K.PagedKernels, wrap: Wrap, key_cache, value_cache, dtype: torch.dtype,
                         alloc: K.Alloc | None = None) -> list[str]:
-    """v1, then v2 and its reduce, once each per group (one head per block, and the variant's group):
-    the group's queries per KV head over the first cached token of block 0 (the output is thrown away). CUDA loads a kernel's code on its first launch, and which
-    version a step takes depends on lengths; launched here, both are loaded, and counted, before the
-    memory profile reads what is in use. Not for quantized caches (their scales come per layer)."""
+    """v1, then v2 and its reduce, once each per group (one head per block, and the variant's
+    group): the group's queries per KV head over the first cached token of block 0 (the output is
+    thrown away). CUDA loads a kernel's code on its first launch, and which version and group a step
+    takes depends on lengths; launched here, all are loaded, and counted, before the memory profile
+    reads what is in use. Not for quantized caches (their scales come per layer)."""
     if ker.variant.quantized:
         return []
     device = key_cache.device

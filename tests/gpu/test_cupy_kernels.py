@@ -188,16 +188,15 @@ def test_gpu_grouped_kernels(case):
 
     dtype, head, block, heads, kv = case
     v = G.variant(*case)
-    kers = K.build_kernels(K.cupy_module_factory, [v], cupy)
-    one = K.build_kernels(K.cupy_module_factory, [K.KernelVariant(dtype, head, block)], cupy)
+    ker = K.build_kernels(K.cupy_module_factory, [v], cupy)[v]  # holds the one-head kernels too
     c = T.make_case(v, G.SEQ_LENS, heads, kv, seed=head + block + heads)
     d = {n: cupy.asarray(getattr(c, n)) for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")}
     for version in ("v1", "v2"):
         outs = []
-        for ker in (kers[v], next(iter(one.values()))):
+        for group in (v.group, 1):
             out = cupy.empty(c.query.shape, dtype=c.query.dtype)
             ker.paged_attention(out, d["query"], d["key_cache"], d["value_cache"], d["block_tables"],
-                                d["seq_lens_arr"], c.max_seq_len, c.scale, version=version)
+                                d["seq_lens_arr"], c.max_seq_len, c.scale, version=version, group=group)
             outs.append(T.to_f64(cupy.asnumpy(out), dtype))
         T.assert_close(outs[0], c.reference(), dtype, f"gpu grouped {v} {version}")
         T.assert_close(outs[0], outs[1], dtype, f"gpu grouped vs one-head {v} {version}")
