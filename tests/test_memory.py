@@ -262,14 +262,15 @@ def test_profile_batch():
 # ---------------------------------------------------------------- real runs
 
 # Stated in docs/memory.md: engine objects made after the profile, allocator slack. Measured on the
-# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 24 runs (8 beside two CPU hogs), and
-# 24.6 MiB in 2 of 28; still under the 64 MiB cache, so a cache left uncounted fails.
-TOLERANCE = 32 * MiB
+# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 24 runs alone (8 beside two CPU hogs),
+# 24.6 MiB in 2 of 28, and 35.7 MiB once inside the whole suite (a heap other tests used first);
+# still under the 64 MiB cache, so a cache left uncounted fails.
+TOLERANCE = 48 * MiB
 
 
 def test_filled_cache_stays_within_budget(wide_model):
     """Peak RSS while every computed block holds KV
-    <= weights + outside torch + activation peak + decode gather estimate + KV cache + 32 MiB."""
+    <= weights + outside torch + activation peak + decode gather estimate + KV cache + 48 MiB."""
     from pagedrun.engine.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
