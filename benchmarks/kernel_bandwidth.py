@@ -3,6 +3,7 @@ as a fraction of a measured device-to-device copy.
 
     python3 benchmarks/kernel_bandwidth.py [--dtype bfloat16] [--head-size 128] [--configs 64x4096,8x16384]
                                            [--kv-cache-dtype auto|fp8_e4m3|fp8_e5m2|int8] [--iters 50] [--json PATH]
+                                           [--define PR_V_BATCH=4 ...]
 
 Decode attention reads every cached K and V row of every sequence once per kv head group, so its
 roofline is memory bandwidth: bandwidth = bytes of K/V read / kernel time. With GQA the kernels
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -211,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="SEQSxCONTEXT,... (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                   help="compile the kernels with this macro (e.g. PR_V_BATCH=4, kernels/attention_common.cuh)")
     a = p.parse_args(argv)
+    for d in a.define:
+        if not re.fullmatch(r"PR_[A-Z0-9_]+=\d+", d):
+            raise SystemExit(f"--define: {d!r} is not PR_NAME=INTEGER (e.g. PR_V_BATCH=4)")
     configs = parse_configs(a.configs)
     if not gpu_available():
         print("no GPU: cupy.is_available() is false; kernel bandwidth benchmark skipped")
@@ -224,10 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     l2 = int(props.get("l2CacheSize", 50 * 2**20))
     group = a.group if a.group is not None else K.group_for(a.num_heads, a.num_kv_heads, a.kv_cache_dtype)
     variant = K.KernelVariant(a.dtype, a.head_size, a.block_size, a.kv_cache_dtype, group)
-    ker = K.cupy_kernels(variant, dev)  # its module holds the one-head-per-block kernels too
+    if a.define:  # its own module, compiled with the macros in front of the kernels' source
+        code = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in a.define) + K.full_source()
+        ker = K.build_kernels(K.cupy_module_factory, [variant], cupy, code=code)[variant]
+        ker.smem_optin, ker.num_sms = int(props["sharedMemPerBlockOptin"]), int(props["multiProcessorCount"])
+    else:
+        ker = K.cupy_kernels(variant, dev)  # its module holds the one-head-per-block kernels too
     roof = measured_copy_gbs()
     print(f"device: {name}; L2 {l2 / 2**20:.0f} MiB; measured D2D copy {roof:.0f} GB/s (read + written)")
-    print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} launches per timing")
+    print(f"variant: {variant}, heads {a.num_heads} / kv heads {a.num_kv_heads}, {a.iters} launches per timing"
+          + (f", compiled with {' '.join(a.define)}" if a.define else ""))
     header = (f"{'seqs':>5} {'context':>8} {'KV MiB':>8} {'copies':>6} {'pick':>4} | {'us':>8} {'GB/s':>6} {'% copy':>6}"
               f" | {'v1 GB/s':>7} {'v2 GB/s':>7} {'1-head':>7} | timed")
     print(header)

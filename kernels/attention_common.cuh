@@ -23,6 +23,16 @@
 #define PR_FLT_MAX 3.402823466e+38f
 #define PR_DIV_UP(a, b) (((a) + (b) - 1) / (b))
 
+// Loads in flight per lane (docs/kernels.md): value rows loaded before any is used (PV phase), and
+// the key elements one chunk of the QK phase reads (divided among a grouped block's query heads).
+// Defined here so that a benchmark can compile other values (-D) and time them side by side.
+#ifndef PR_V_BATCH
+#define PR_V_BATCH 8
+#endif
+#ifndef PR_K_CHUNK_ELEMS
+#define PR_K_CHUNK_ELEMS 128
+#endif
+
 namespace pagedrun {
 
 __host__ __device__ constexpr int pr_max(int a, int b) { return a > b ? a : b; }

@@ -122,7 +122,7 @@ __device__ inline void paged_attention_body(
   // chunk, so that the chunks loop (unroll 1) and their query reads stay inside it; with whole rows
   // in one chunk, nvcc hoisted every query value out of the block loop (block 32, head 64, group 4:
   // 255 registers and 200+ bytes of spill on sm_80).
-  constexpr int K_CHUNK_ELEMS = (KV_DTYPE == KvCacheDtype::kAuto ? 64 : 32) / GROUP;
+  constexpr int K_CHUNK_ELEMS = (KV_DTYPE == KvCacheDtype::kAuto ? PR_K_CHUNK_ELEMS : PR_K_CHUNK_ELEMS / 2) / GROUP;
   constexpr int K_CHUNK_MAX = pr_min(8, pr_max(K_CHUNK_ELEMS / VEC_SIZE, 1));
   constexpr int K_CHUNK = NUM_VECS_PER_THREAD % 8 == 0 && K_CHUNK_MAX >= 8 ? 8
                           : NUM_VECS_PER_THREAD % 4 == 0 && K_CHUNK_MAX >= 4 ? 4
@@ -231,28 +231,52 @@ __device__ inline void paged_attention_body(
     }
   }
 
+  // A lane's rows of one cache block are loaded V_BATCH at a time before any is used, so that many
+  // loads are in flight; with a branch around each row (skipping rows past seq_len) nvcc issued them
+  // one at a time, a full memory latency per row. Rows past seq_len are read (they lie inside the
+  // sequence's last block, so inside the cache) and zeroed by a select: 0 * NaN garbage would not be.
+  constexpr int V_ITERS = pr_max(BLOCK_SIZE / TOKENS_PER_ITER, 1);
+  constexpr int V_BATCH = pr_min(V_ITERS, PR_V_BATCH);
+  static_assert(V_ITERS % V_BATCH == 0, "whole batches of rows");
   for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
     const long long physical_block_number = block_table[block_idx];
-    for (int t = token_sub; t < BLOCK_SIZE; t += TOKENS_PER_ITER) {
-      const int token_idx = block_idx * BLOCK_SIZE + t;
-      // V rows past seq_len are never read: they count as zero (0 * NaN garbage would not).
-      if (token_idx < seq_len) {
+    const cache_t* v_block = v_cache + physical_block_number * kv_block_stride + kv_head_idx * HEAD_SIZE;
+    PR_NO_UNROLL
+    for (int i0 = 0; i0 < V_ITERS; i0 += V_BATCH) {
+      Packed<cache_t, V_VEC_SIZE> vv[V_BATCH][V_VECS_PER_LANE];
+      PR_UNROLL
+      for (int b = 0; b < V_BATCH; b++) {
+        const int t = token_sub + (i0 + b) * TOKENS_PER_ITER;
+        PR_UNROLL
+        for (int r = 0; r < V_VECS_PER_LANE; r++) {
+          const int vec = v_lane + r * V_LANES_PER_TOKEN;
+          if (t < BLOCK_SIZE && vec < NUM_V_VECS) {
+            vv[b][r] = *reinterpret_cast<const Packed<cache_t, V_VEC_SIZE>*>(v_block + t * kv_token_stride +
+                                                                               vec * V_VEC_SIZE);
+          }
+        }
+      }
+      PR_UNROLL
+      for (int b = 0; b < V_BATCH; b++) {
+        const int t = token_sub + (i0 + b) * TOKENS_PER_ITER;
+        const int token_idx = block_idx * BLOCK_SIZE + t;
+        const bool valid = t < BLOCK_SIZE && token_idx < seq_len;
         // The value row's scale rides on its softmax weight.
-        const float v_scale = kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t,
-                                                     num_kv_heads, kv_head_idx);
+        const float v_scale = valid ? kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t,
+                                                             num_kv_heads, kv_head_idx) : 0.f;
         float p[GROUP];
         PR_UNROLL
-        for (int g = 0; g < GROUP; g++) p[g] = logits[g * logits_stride + token_idx - start_token_idx] * v_scale;
-        const cache_t* v_ptr = v_cache + physical_block_number * kv_block_stride +
-                                t * kv_token_stride + kv_head_idx * HEAD_SIZE;
+        for (int g = 0; g < GROUP; g++) {
+          p[g] = valid ? logits[g * logits_stride + token_idx - start_token_idx] * v_scale : 0.f;
+        }
         PR_UNROLL
         for (int r = 0; r < V_VECS_PER_LANE; r++) {
           const int vec = v_lane + r * V_LANES_PER_TOKEN;
           if (vec < NUM_V_VECS) {
-            const Packed<cache_t, V_VEC_SIZE> vv =
-                *reinterpret_cast<const Packed<cache_t, V_VEC_SIZE>*>(v_ptr + vec * V_VEC_SIZE);
             float v[V_VEC_SIZE];
-            kv_to_float<KV_DTYPE>(v, vv.v);
+            kv_to_float<KV_DTYPE>(v, vv[b][r].v);
+            PR_UNROLL
+            for (int e = 0; e < V_VEC_SIZE; e++) v[e] = valid ? v[e] : 0.f;
             PR_UNROLL
             for (int g = 0; g < GROUP; g++) {
               PR_UNROLL

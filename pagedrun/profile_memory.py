@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pagedrun.attention.torch_backend import DECODE_GATHER_TOKENS
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.kv.profiler import rss_bytes
@@ -170,7 +171,7 @@ def plan_table(d: dict) -> Table:
     t.add_row("KV cache", b(x["kv_cache_bytes"]), D, "blocks x block bytes")
     if x["decode_gather_bytes"]:
         t.add_row("decode gather (est.)", b(x["decode_gather_bytes"]), D,
-                  "torch backend: one layer's cached K/V as float32, twice, when the cache is full")
+                  f"torch backend: one decode call's K/V gather (at most {DECODE_GATHER_TOKENS:,} rows) + SDPA's work")
     t.add_row("token capacity", f"{x['token_capacity']:,}", D, "blocks x block_size")
     t.add_row(f"max concurrency @ {r['max_model_len']}", f"{x['max_concurrency_at_max_model_len']:.2f}x", D,
               f"blocks / {x['blocks_per_max_len_seq']} blocks per max_model_len sequence")

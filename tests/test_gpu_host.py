@@ -415,11 +415,11 @@ def readings(**kw):
     return CudaReadings(**{**base, **kw})
 
 
-def plan(r, u=0.9, scratch=0, mml=32768, gather_layers=None, **cache):
+def plan(r, u=0.9, scratch=0, mml=32768, gather=0, **cache):
     return M.plan_memory(profile=cuda_profile(r, 16 * GiB), block_bytes=2 * 32 * 8 * 128 * 16 * 2,
                          cache_cfg=CacheConfig(gpu_memory_utilization=u, **cache), max_model_len=mml, max_num_seqs=256,
                          uses_swap=False, host_available_bytes=100 * GiB, attention_scratch=scratch,
-                         gather_layers=gather_layers)
+                         decode_gather=gather)
 
 
 def test_budget_counts_scratch_and_reserved_not_allocated():
@@ -444,8 +444,13 @@ def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
     assert outside == (r.total - r.free_after) - r.torch_reserved_after > 0
     assert p.torch_cap_bytes == int(80 * GiB * 0.9) - outside
     assert "torch held to" in p.summary()[-1]
-    gathers = plan(r, u=0.9, gather_layers=32)
-    assert gathers.torch_cap_bytes == 0  # the torch backend's decode copies K/V beyond the plan: no cap
+    # The torch backend's decode gather is chunked, so its bound is budgeted like the kernels'
+    # scratch (the larger of the two: never live at once) and torch is capped too.
+    g = 3 * GiB
+    gathers = plan(r, u=0.9, gather=g, scratch=1 * GiB)
+    assert gathers.torch_cap_bytes == p.torch_cap_bytes
+    assert p.kv_budget_bytes - gathers.kv_budget_bytes == g and gathers.attention_scratch_bytes == g
+    assert gathers.decode_gather_bytes == g and "decode gather est." in gathers.summary()[1]
     override = plan(r, u=0.9, num_blocks=100)
     assert override.torch_cap_bytes == 0  # cache.num_blocks: the budget is not the plan's
     calls = []
@@ -458,7 +463,7 @@ def test_torch_is_held_to_the_limit_minus_what_lives_outside_it(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     TC.cap_torch_memory(p, torch.device("cuda"))
-    TC.cap_torch_memory(gathers, torch.device("cuda", 0))
+    TC.cap_torch_memory(override, torch.device("cuda", 0))
     TC.cap_torch_memory(p, torch.device("cpu"))
     assert calls == [pytest.approx(p.torch_cap_bytes / (80 * GiB)), 1.0]
 

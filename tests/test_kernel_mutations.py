@@ -104,8 +104,8 @@ MUTATIONS = [
     Mutation(
         "v_read_past_end",
         "off-by-one in the last block: PV reads the value row one past seq_len (0 * NaN)",
-        "if (token_idx < seq_len) {",
-        "if (token_idx <= seq_len) {",
+        "const bool valid = t < BLOCK_SIZE && token_idx < seq_len;",
+        "const bool valid = t < BLOCK_SIZE && token_idx <= seq_len;",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(

@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedrun.attention import torch_backend as TB
 from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
 from pagedrun.kv.profiler import CpuReadings, CudaReadings, PeakRSS, cpu_profile, cuda_profile, profile_batch, rss_bytes
 from pagedrun.models.config import ModelConfig
@@ -226,11 +227,24 @@ def test_decode_gather_estimate():
     plan = cpu_plan(kv_cache_memory=256 * MiB, bb=128 * 1024)
     assert plan.decode_gather_bytes == 0  # a backend that reads the cache in place
     r = plan.profile
+    g = TB.decode_gather_bytes(num_heads=8, num_kv_heads=2, head_size=64, elem_bytes=2, block_size=16,
+                               max_model_len=500, max_num_seqs=64)
+    # 64 sequences x 512 padded rows = 32,768 <= 65,536: K and V (2 kv heads) + room for one row per
+    # query head (8), fp32 scores and probabilities per head, two mask bytes.
+    assert g == 64 * 512 * (2 * 64 * 2 * (2 + 8) + 8 * 8 + 2)
     plan = plan_memory(profile=r, block_bytes=128 * 1024, cache_cfg=CacheConfig(kv_cache_memory=256 * MiB),
                        max_model_len=512, max_num_seqs=64, uses_swap=False, host_available_bytes=16 * GiB,
-                       gather_layers=8, elem_bytes=2)
-    # K and V of every cached token of one layer, as float32, twice (gather + matmul's copy).
-    assert plan.decode_gather_bytes == 2 * (256 * MiB // 8) * 2
+                       decode_gather=g)
+    assert plan.decode_gather_bytes == g
+    # Past the chunk size the bound stops growing with max_num_seqs; one sequence always fits.
+    big = dict(num_heads=8, num_kv_heads=2, head_size=64, elem_bytes=2, block_size=16)
+    assert (TB.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=256)
+            == TB.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=8))
+    assert TB.decode_gather_tokens(256, 131072) == 131072
+    # A quantized cache is widened to fp32 for the step's blocks before the gather.
+    q = TB.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64, quantized=True)
+    assert q == TB.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64) \
+        + 64 * 512 * 2 * 2 * 64 * 4
 
 
 def test_cpu_override_and_swap():
@@ -286,9 +300,9 @@ def test_filled_cache_stays_within_budget(wide_model):
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert max(s.blocks_in_use for s in llm.engine.steps) == m.num_gpu_blocks  # filled
-    # The C++ CPU kernel reads K/V in place; only the pure-torch decode path copies them (fp32, 4 layers).
+    # The C++ CPU kernel reads K/V in place; only the pure-torch decode path copies them.
     gathers = llm.engine.backend.load_cpu_kernel() is None
-    assert m.decode_gather_bytes == (2 * m.kv_cache_bytes // 4 if gathers else 0)
+    assert (m.decode_gather_bytes > 0) == gathers
     assert run.peak <= m.profile.peak_in_use_bytes + m.decode_gather_bytes + m.kv_cache_bytes + TOLERANCE
     # Writing every block commits the cache's pages: the growth is real, not a bookkeeping number.
     assert rss_bytes() - start >= 0.9 * m.kv_cache_bytes

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention import torch_backend as TB
 from pagedrun.attention.torch_backend import TorchAttentionBackend, reshape_and_cache
 
 from attention_reference import assert_matches_reference
@@ -65,8 +66,8 @@ class Case:
         self.context_lens = [c for c, _ in seqs]
         self.scale = head_dim**-0.5
 
-    def run(self):
-        return TorchAttentionBackend().forward(
+    def run(self, backend=None):
+        return (backend or TorchAttentionBackend()).forward(
             self.query, self.key, self.value, self.key_cache, self.value_cache, self.meta, self.scale
         )
 
@@ -159,6 +160,38 @@ def test_decode_batch_matches_one_at_a_time():
             batch.key_cache, batch.value_cache, alone, batch.scale,
         )
         torch.testing.assert_close(out[i : i + 1], single, atol=1e-6, rtol=0)
+
+
+def test_decode_chunks():
+    # padded to 16: 16 48 32 16 48 64 16 128; a chunk's rows = count x its longest <= 100.
+    chunks = TB.decode_chunks([5, 40, 17, 1, 33, 64, 9, 120], 16, 100)
+    assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8)]
+    assert TB.decode_chunks([3, 3, 3], 16, TB.DECODE_GATHER_TOKENS) == [range(0, 3)]
+    assert TB.decode_chunks([500], 16, 100) == [range(0, 1)]  # longer than the limit: alone
+
+
+@pytest.mark.parametrize("limit", [48, 100, 1 << 20])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_in_chunks(monkeypatch, limit, mixed):
+    """Past DECODE_GATHER_TOKENS gathered rows the torch path decodes in chunks (the bound the
+    memory plan budgets): each chunk within the limit, every row still the reference's."""
+    lens = [5, 40, 17, 1, 33, 64, 9, 120]
+    seqs = [(n - 1, 1) for n in lens] + ([(0, 9), (16, 5)] if mixed else [])
+    case = Case(seqs, 16, 8, 2, seed=limit + mixed)
+    whole = case.run(TorchAttentionBackend(use_cpu_kernel=False))
+    rows, gather = [], TB._gather_decode
+
+    def spy(query, key_cache, value_cache, tables, seq_lens, max_len, scale):
+        rows.append(query.shape[0] * -(-max_len // 16) * 16)
+        return gather(query, key_cache, value_cache, tables, seq_lens, max_len, scale)
+
+    monkeypatch.setattr(TB, "DECODE_GATHER_TOKENS", limit)
+    monkeypatch.setattr(TB, "_gather_decode", spy)
+    out = case.run(TorchAttentionBackend(use_cpu_kernel=False))
+    assert len(rows) == (1 if limit > 1000 else len(TB.decode_chunks(lens, 16, limit))) and sum(rows) > 0
+    assert all(r <= max(limit, 128) for r in rows)
+    assert_matches_reference(out, case.queries, case.keys, case.values, case.context_lens, case.scale, 1e-5)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=0)
 
 
 def test_reshape_and_cache_layout():

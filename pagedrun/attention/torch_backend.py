@@ -5,7 +5,8 @@ then attention over each sequence's blocks, found through its block table.
 
 - Decode tokens (query length 1, the bulk of the work in a batch job) are done together: one gather
   of every sequence's blocks (padded to the longest), a length mask, one batched SDPA call with
-  GQA (K/V are never repeated per query head). No Python loop over sequences.
+  GQA (K/V are never repeated per query head). No Python loop over sequences, except that a step
+  gathering more than DECODE_GATHER_TOKENS rows runs in chunks (a bound the memory plan holds).
 - Prefill tokens (query length > 1) go one sequence at a time through torch SDPA
   (pagedrun/attention/sdpa_prefill.py, shared with the CuPy backend); with a cached prefix
   (context_lens > 0) the causal mask is shifted by the context length.
@@ -33,6 +34,44 @@ from pagedrun.attention import cpu_kernels
 from pagedrun.kv import kv_quant
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs
+
+
+# The most K/V rows one decode SDPA call gathers (sequences padded to the longest of their chunk):
+# a step with more decodes runs in chunks, so the gather is a bound the memory plan can hold and a
+# capped CUDA allocator can rely on (kv/memory.py), not a share of whatever the cache holds.
+DECODE_GATHER_TOKENS = 65_536
+
+
+def decode_gather_tokens(max_num_seqs: int, padded_len: int) -> int:
+    """The most K/V rows one decode call gathers: a chunk stops at DECODE_GATHER_TOKENS rows, but
+    always holds at least one sequence of padded_len (max_model_len rounded up to a block)."""
+    return min(max_num_seqs * padded_len, max(DECODE_GATHER_TOKENS, padded_len))
+
+
+def decode_gather_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, elem_bytes: int,
+                        block_size: int, max_model_len: int, max_num_seqs: int, quantized: bool = False) -> int:
+    """Derived upper bound on what one decode call of the torch path allocates: per gathered row,
+    K and V in the cache's dtype, room for SDPA to widen them to one row per query head (its math
+    path repeats K/V for GQA), fp32 scores and probabilities per head, and the length masks. A
+    quantized cache (elem_bytes 4) is first widened, block by block of the step, to an fp32 copy."""
+    padded = -(-max_model_len // block_size) * block_size
+    per_row = 2 * head_size * elem_bytes * (num_kv_heads + num_heads) + 8 * num_heads + 2
+    widened = max_num_seqs * padded * 2 * num_kv_heads * head_size * 4 if quantized else 0
+    return decode_gather_tokens(max_num_seqs, padded) * per_row + widened
+
+
+def decode_chunks(seq_lens: list[int], block_size: int, limit: int) -> list[range]:
+    """Consecutive runs of sequences whose gather (count x the longest, padded to a block) stays
+    within `limit` rows; a sequence longer than the limit is a chunk of its own."""
+    chunks, start, longest = [], 0, 0
+    for i, n in enumerate(seq_lens):
+        padded = -(-n // block_size) * block_size
+        if i > start and (i - start + 1) * max(longest, padded) > limit:
+            chunks.append(range(start, i))
+            start, longest = i, 0
+        longest = max(longest, padded)
+    chunks.append(range(start, len(seq_lens)))
+    return chunks
 
 
 class TorchAttentionBackend:
@@ -183,37 +222,21 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, query, key_cache, value_cache, meta, seqs, scale) -> torch.Tensor:
-        """query [S, heads, hd], one token per sequence in `seqs` -> [S, heads, hd]."""
-        num_seqs, num_heads, head_dim = query.shape
-        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        """query [S, heads, hd], one token per sequence in `seqs` -> [S, heads, hd], in chunks of
+        at most DECODE_GATHER_TOKENS gathered rows (one chunk in most steps)."""
         all_seqs = isinstance(seqs, range) and len(seqs) == meta.num_seqs
-        seq_lens_list = meta.seq_lens_list if all_seqs else [meta.seq_lens_list[i] for i in seqs]
+        lens = meta.seq_lens_list if all_seqs else [meta.seq_lens_list[i] for i in seqs]
         seq_lens = meta.seq_lens if all_seqs else meta.seq_lens[list(seqs)]
-        max_len = max(seq_lens_list)
-        num_blocks = -(-max_len // block_size)
         tables = meta.block_tables if all_seqs else meta.block_tables[list(seqs)]
-        ids = tables[:, :num_blocks].reshape(-1)
-        length = num_blocks * block_size
-        # One gather for all sequences: [S, L, kv_heads, hd], viewed as [S, kv_heads, L, hd].
-        k = key_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-        valid = torch.arange(length, device=query.device)[None, :] < seq_lens.to(query.device)[:, None]
-        # Slots past the end may hold anything (another sequence's stale data, or memory never
-        # written, possibly NaN): zero them, since a masked NaN score or 0 * NaN value still
-        # poisons the output. k and v are copies. (Cheaper than gathering token by token.)
-        invalid = ~valid[:, None, :, None]
-        k.masked_fill_(invalid, 0.0)
-        v.masked_fill_(invalid, 0.0)
-        # SDPA with GQA on the un-repeated K/V was about 2x faster on CPU than matmul+softmax.
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2).to(k.dtype),  # [S, heads, 1, hd]
-            k,
-            v,
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+        chunks = decode_chunks(lens, key_cache.shape[1], DECODE_GATHER_TOKENS)
+        if len(chunks) == 1:
+            return _gather_decode(query, key_cache, value_cache, tables, seq_lens, max(lens), scale)
+        out = torch.empty_like(query)
+        for c in chunks:
+            sl = slice(c.start, c.stop)
+            out[sl] = _gather_decode(query[sl], key_cache, value_cache, tables[sl], seq_lens[sl],
+                                     max(lens[sl]), scale)
+        return out
 
     def copy_blocks(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
@@ -227,6 +250,35 @@ class TorchAttentionBackend:
         for key_cache, value_cache, *_ in kv_caches:  # int8 scales: CacheEngine.copy moves them
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+
+def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, scale) -> torch.Tensor:
+    """One gather of the sequences' blocks (padded to the longest) and one batched SDPA."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_blocks = -(-max_len // block_size)
+    ids = tables[:, :num_blocks].reshape(-1)
+    length = num_blocks * block_size
+    # One gather for all sequences: [S, L, kv_heads, hd], viewed as [S, kv_heads, L, hd].
+    k = key_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(length, device=query.device)[None, :] < seq_lens.to(query.device)[:, None]
+    # Slots past the end may hold anything (another sequence's stale data, or memory never
+    # written, possibly NaN): zero them, since a masked NaN score or 0 * NaN value still
+    # poisons the output. k and v are copies. (Cheaper than gathering token by token.)
+    invalid = ~valid[:, None, :, None]
+    k.masked_fill_(invalid, 0.0)
+    v.masked_fill_(invalid, 0.0)
+    # SDPA with GQA on the un-repeated K/V was about 2x faster on CPU than matmul+softmax.
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2).to(k.dtype),  # [S, heads, 1, hd]
+        k,
+        v,
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def reshape_and_cache(

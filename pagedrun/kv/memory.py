@@ -50,9 +50,9 @@ class MemoryPlan:
     blocks_from_budget: int = 0  # floor(kv_budget_bytes / block_bytes)
     gpu_memory_utilization: float | None = None  # CUDA only
     host_available_bytes: int = 0  # MemAvailable after the profile (the CPU budget's base)
-    # Estimate, not measured: the torch backend's decode gathers each layer's K/V of the running
-    # sequences into float32 copies; with a full cache that is about 2 x 4/elem x KV / layers.
-    # 0 when the backend reads the cache in place (the CUDA kernels).
+    # Derived, not measured: the most one decode call of the torch path allocates (its gather of
+    # K/V, chunked at attention/torch_backend.DECODE_GATHER_TOKENS rows, and SDPA's work on it).
+    # 0 when the backend reads the cache in place (the C++ and CUDA kernels).
     decode_gather_bytes: int = 0
     kv_cache_dtype: str = ""  # how the cache stores K/V (kv/kv_quant.py), resolved; "" = not given
     # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
@@ -60,8 +60,7 @@ class MemoryPlan:
     attention_scratch_bytes: int = 0
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
-    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks, or a backend whose decode gathers K/V
-    # beyond the plan). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
+    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
     # the limit on the H200 (2026-11-26), with no more live memory than the plan holds.
     torch_cap_bytes: int = 0
     # Derived, not measured: kept out of the KV budget under the cap for what torch holds beyond the
@@ -190,16 +189,19 @@ def attention_scratch_bytes(*, num_heads: int, num_kv_heads: int, head_size: int
 
 
 def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_model_len: int, max_num_seqs: int,
-                uses_swap: bool, host_available_bytes: int, gather_layers: int | None = None,
-                elem_bytes: int = 4, attention_scratch: int = 0) -> MemoryPlan:
+                uses_swap: bool, host_available_bytes: int, decode_gather: int = 0,
+                attention_scratch: int = 0) -> MemoryPlan:
     """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError.
-    attention_scratch (CUDA): attention_scratch_bytes(...) for this model and backend."""
+    attention_scratch (CUDA): attention_scratch_bytes(...) for this model and backend;
+    decode_gather: torch_backend.decode_gather_bytes(...) where decode gathers K/V, else 0."""
     bb, bs = block_bytes, cache_cfg.block_size
     cuda = profile.device.startswith("cuda")
     blocks_per_seq = -(-max_model_len // bs)
     seq_bytes = blocks_per_seq * bb
-    peak = profile.peak_in_use_bytes + (attention_scratch if cuda else 0)
-    capped = cuda and not gather_layers and cache_cfg.num_blocks is None  # kv/torch_cap.py holds torch
+    # A layer's decode gather ends before its prefills' scratch is allocated: never live at once.
+    scratch = max(attention_scratch, decode_gather) if cuda else 0
+    peak = profile.peak_in_use_bytes + scratch
+    capped = cuda and cache_cfg.num_blocks is None  # kv/torch_cap.py holds torch
     headroom = 0
     if cuda:
         u = cache_cfg.gpu_memory_utilization
@@ -207,8 +209,8 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         headroom = max(TORCH_HEADROOM_MIN, allowed // 100) if capped else 0
         budget = allowed - peak - headroom
         source = f"{u:g} x {fmt_bytes(profile.total_bytes)} total - {fmt_bytes(peak)} peak in use"
-        if attention_scratch:
-            source += f" (incl. {fmt_bytes(attention_scratch)} attention scratch at max_model_len)"
+        if scratch:
+            source += f" (incl. {fmt_bytes(scratch)} attention scratch at max_model_len)"
         if headroom:
             source += f" - {fmt_bytes(headroom)} headroom for torch's cache (derived)"
     else:
@@ -224,7 +226,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         capped_to_blocks=None, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         blocks_from_budget=from_budget, gpu_memory_utilization=cache_cfg.gpu_memory_utilization if cuda else None,
         host_available_bytes=host_available_bytes, profile=profile,
-        attention_scratch_bytes=attention_scratch if cuda else 0, torch_headroom_bytes=headroom,
+        attention_scratch_bytes=scratch, torch_headroom_bytes=headroom, decode_gather_bytes=decode_gather,
     )
     if cuda and cache_cfg.gpu_memory_utilization > HIGH_UTILIZATION:
         plan.warnings.append(
@@ -247,9 +249,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
     # Swap space beyond the device cache's size can never be filled.
     plan.num_cpu_blocks = min(swap, plan.num_gpu_blocks)
     plan.swap_used = uses_swap
-    if gather_layers:
-        plan.decode_gather_bytes = 2 * plan.kv_cache_bytes * 4 // elem_bytes // gather_layers
-    elif capped:
+    if capped:
         plan.torch_cap_bytes = allowed - profile.non_torch_bytes
     _check_physical(plan, cuda, uses_swap, cache_cfg)
     return plan
@@ -381,14 +381,21 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
-                       gather_layers=model_cfg.num_hidden_layers if _gathers_on_decode(backend, device) else None,
-                       elem_bytes=dtype_bytes(kv_spec.storage), attention_scratch=scratch)
+                       decode_gather=_decode_gather(backend, device, model_cfg, recipe, kv_spec, max_model_len),
+                       attention_scratch=scratch)
     plan.kv_cache_dtype = kv_spec.name
     return plan
 
 
-def _gathers_on_decode(backend, device: torch.device) -> bool:
-    """The pure-torch decode path copies each layer's K/V; the C++ CPU kernel reads them in place."""
-    if backend.name != "torch":
-        return False
-    return not (device.type == "cpu" and backend.load_cpu_kernel() is not None)
+def _decode_gather(backend, device: torch.device, model_cfg, recipe, kv_spec: KVCacheSpec, max_model_len: int) -> int:
+    """The pure-torch decode path copies each layer's K/V (chunked; a quantized cache is first widened
+    to fp32); the C++ CPU kernel and the CUDA kernels read them in place: 0."""
+    from pagedrun.attention import torch_backend as TB
+
+    if backend.name != "torch" or (device.type == "cpu" and backend.load_cpu_kernel() is not None):
+        return 0
+    quantized = kv_spec.quantized
+    return TB.decode_gather_bytes(num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
+                                  head_size=model_cfg.head_dim, elem_bytes=4 if quantized else dtype_bytes(kv_spec.storage),
+                                  block_size=recipe.cache.block_size, max_model_len=max_model_len,
+                                  max_num_seqs=recipe.scheduler.max_num_seqs, quantized=quantized)
