@@ -132,6 +132,10 @@ struct Int8Kv {
   }
 };
 
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v4fu __attribute__((vector_size(16), aligned(4), may_alias));
+inline void store4(float* p, v4f x) { *reinterpret_cast<v4fu*>(p) = x; }
+
 // Lane i of the result = sum of the 8 lanes of a[i] (a fixed order: results are deterministic).
 inline v8f horizontal_sums8(const v8f* a) {
   return pair_sums(pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])),
@@ -341,7 +345,10 @@ inline int64_t score_keysR_by4(const float* __restrict q, int64_t qstride, const
       v8f f[8];
       for (int j = 0; j < 8; ++j) f[j] = V::fold8(a[g + j]);
       const v8f sums = horizontal_sums8(f);
-      for (int j = 0; j < 8 && g + j < 4 * R; ++j) s[((g + j) / 4) * sstride + c + (g + j) % 4] = sums[j];
+      // Lanes 0-3 are row g / 4's four keys, lanes 4-7 the next row's: two 4-float stores (a store
+      // per lane took an extract each, as many shuffles as the sums themselves).
+      store4(s + (g / 4) * sstride + c, __builtin_shufflevector(sums, sums, 0, 1, 2, 3));
+      if (g + 4 < 4 * R) store4(s + (g / 4 + 1) * sstride + c, __builtin_shufflevector(sums, sums, 4, 5, 6, 7));
     }
   }
   return c;
