@@ -56,8 +56,17 @@ def decode_gather_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, el
     quantized cache (elem_bytes 4) is first widened, block by block of the step, to an fp32 copy."""
     padded = -(-max_model_len // block_size) * block_size
     per_row = 2 * head_size * elem_bytes * (num_kv_heads + num_heads) + 8 * num_heads + 2
-    widened = max_num_seqs * padded * 2 * num_kv_heads * head_size * 4 if quantized else 0
+    widened = dequantized_copy_bytes(num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                                     max_model_len=max_model_len, max_num_seqs=max_num_seqs) if quantized else 0
     return decode_gather_tokens(max_num_seqs, padded) * per_row + widened
+
+
+def dequantized_copy_bytes(*, num_kv_heads: int, head_size: int, block_size: int, max_model_len: int,
+                           max_num_seqs: int) -> int:
+    """The fp32 K and V copy of a quantized cache's blocks that one step reads (_dequantized_blocks):
+    at most max_num_seqs sequences of max_model_len."""
+    padded = -(-max_model_len // block_size) * block_size
+    return max_num_seqs * padded * 2 * num_kv_heads * head_size * 4
 
 
 def decode_chunks(seq_lens: list[int], block_size: int, limit: int) -> list[range]:

@@ -60,8 +60,9 @@ class MemoryPlan:
     attention_scratch_bytes: int = 0
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
-    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of many step shapes: 0.04-0.10 GiB over
-    # the limit on the H200 (2026-11-26), with no more live memory than the plan holds.
+    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of
+    # many step shapes: 0.04-0.10 GiB over the limit on the H200 (2026-11-26), with no more live
+    # memory than the plan holds.
     torch_cap_bytes: int = 0
     # Derived, not measured: kept out of the KV budget under the cap for what torch holds beyond the
     # profile's peak (blocks cached for step shapes the profile did not run, prefix gathers). With
@@ -360,6 +361,7 @@ def requests_fit(blocks: list[int], num_blocks: int) -> RequestsFit:
 def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.device,
                   max_model_len: int) -> MemoryPlan:
     """Profile the loaded model and turn the recipe's budget into blocks (LLMEngine.__init__)."""
+    from pagedrun.attention import torch_backend as TB
     from pagedrun.attention.registry import make_backend
 
     name = recipe.model.attention_backend
@@ -370,32 +372,40 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     profile = run_profile(model, model_cfg, backend, dtype=dtype, device=device,
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
                           max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len)
+    kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
+    gathers = _gathers_on_decode(backend, device)
+    # The torch path over a quantized cache attends to an fp32 copy of the step's blocks (its
+    # prefill gathers fp32 rows from it), live for the layer's whole attention call.
+    widened = gathers and kv_spec.quantized
     scratch = 0
     if device.type == "cuda":
         scratch = attention_scratch_bytes(
             num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
-            head_size=model_cfg.head_dim, elem_bytes=dtype_bytes(dtype), block_size=recipe.cache.block_size,
-            max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+            head_size=model_cfg.head_dim, elem_bytes=4 if widened else dtype_bytes(dtype),
+            block_size=recipe.cache.block_size, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, paged_decode=backend.name == "cupy")
-    kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
+        if widened:
+            scratch += TB.dequantized_copy_bytes(num_kv_heads=model_cfg.num_key_value_heads, head_size=model_cfg.head_dim,
+                                                 block_size=recipe.cache.block_size, max_model_len=max_model_len,
+                                                 max_num_seqs=sched.max_num_seqs)
+    gather = 0
+    if gathers:
+        gather = TB.decode_gather_bytes(
+            num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
+            head_size=model_cfg.head_dim, elem_bytes=4 if widened else dtype_bytes(kv_spec.storage),
+            block_size=recipe.cache.block_size, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+            quantized=widened)
     plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
-                       decode_gather=_decode_gather(backend, device, model_cfg, recipe, kv_spec, max_model_len),
-                       attention_scratch=scratch)
+                       decode_gather=gather, attention_scratch=scratch)
     plan.kv_cache_dtype = kv_spec.name
     return plan
 
 
-def _decode_gather(backend, device: torch.device, model_cfg, recipe, kv_spec: KVCacheSpec, max_model_len: int) -> int:
-    """The pure-torch decode path copies each layer's K/V (chunked; a quantized cache is first widened
-    to fp32); the C++ CPU kernel and the CUDA kernels read them in place: 0."""
-    from pagedrun.attention import torch_backend as TB
-
-    if backend.name != "torch" or (device.type == "cpu" and backend.load_cpu_kernel() is not None):
-        return 0
-    quantized = kv_spec.quantized
-    return TB.decode_gather_bytes(num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
-                                  head_size=model_cfg.head_dim, elem_bytes=4 if quantized else dtype_bytes(kv_spec.storage),
-                                  block_size=recipe.cache.block_size, max_model_len=max_model_len,
-                                  max_num_seqs=recipe.scheduler.max_num_seqs, quantized=quantized)
+def _gathers_on_decode(backend, device: torch.device) -> bool:
+    """The pure-torch decode path copies each layer's K/V; the C++ CPU kernel and the CUDA kernels
+    read them in place."""
+    if backend.name != "torch":
+        return False
+    return not (device.type == "cpu" and backend.load_cpu_kernel() is not None)
