@@ -146,3 +146,28 @@ def test_a_forced_group_the_variant_does_not_launch_is_refused(emu):
     with pytest.raises(ValueError, match="group 2"):
         emu(v).paged_attention(c.empty_out(), c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens_arr,
                                30, c.scale, group=2)
+
+
+@pytest.mark.parametrize("defines", [{"PR_V_BATCH": 1, "PR_K_CHUNK_ELEMS": 64}, {"PR_V_BATCH": 2, "PR_K_CHUNK_ELEMS": 256}],
+                         ids=["V1-K64", "V2-K256"])
+def test_loads_in_flight_settings_change_no_bits(emu, defines):
+    """PR_V_BATCH / PR_K_CHUNK_ELEMS (kernels/attention_common.cuh) decide how many loads a lane has
+    in flight, never the order of a sum: any setting gives the default's bits (the H200 A/B of
+    2026-11-26 checked the same on the GPU). Grouped and one-head, v1 and v2, ragged lengths."""
+    from pagedrun.cudaemu import EmuModule
+
+    case = CASES[1]  # fp16 head 64, 9 / 3: the default model's shape
+    v = variant(*case)
+    names = v.name_expressions(("v1", "v2"))
+    code = "".join(f"#define {k} {n}\n" for k, n in defines.items()) + K.full_source()
+    other = K.PagedKernels(v, EmuModule(code, name_expressions=names, filename="kernels/paged_attention.cu"), np)
+    c = make_case(v, [1, 15, 16, 17, 600], case[3], case[4], seed=11)
+    for version in ("v1", "v2"):
+        for group in (1, v.group):
+            outs = []
+            for ker in (emu(v), other):
+                out = c.empty_out()
+                ker.paged_attention(out, c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens_arr,
+                                    c.max_seq_len, c.scale, version=version, group=group)
+                outs.append(out)
+            np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{defines} {version} group {group}")
