@@ -178,7 +178,25 @@ def quantized():
                                 v.copy_scales_name)
                 cupy.cuda.runtime.deviceSynchronize()
                 assert bool((ks[3] == ks[0]).all())
-    print("quantized: ok; worst error vs unquantized float64: "
+        # The grouped kernels of a quantized cache (launched only where asked for, K.group_for
+        # keeping 1 until timed): within the references, and level with one head per block.
+        for j, (d, h, b, heads, kv_heads, g) in enumerate(Q.GROUPED):
+            v = K.KernelVariant(d, h, b, kv, g)
+            ker = K.cupy_kernels(v)
+            qc = Q.make_qcase(v, [1, 37, 600, 1100], heads, kv_heads, seed=20 + j)
+            c = qc.case
+            dev = [cupy.asarray(a) for a in (c.query, qc.k, qc.v, c.block_tables, c.seq_lens_arr, qc.k_scales,
+                                             qc.v_scales)]
+            for ver in ("v1", "v2"):
+                got = {}
+                for group in (g, 1):
+                    out = cupy.empty(c.query.shape, dtype=c.query.dtype)
+                    ker.paged_attention(out, *dev[:5], c.max_seq_len, c.scale, version=ver, k_scales=dev[5],
+                                        v_scales=dev[6], group=group)
+                    got[group] = T.to_f64(cupy.asnumpy(out), v.dtype)
+                worst[kv] = max(worst[kv], Q.check(qc, got[g], f"{v} {ver} group {g}"))
+                T.assert_close(got[g], got[1], v.dtype, f"{v} {ver}: group {g} vs one head")
+    print("quantized: ok (one-head and grouped); worst error vs unquantized float64: "
           + ", ".join(f"{kv} {e:.3g}" for kv, e in worst.items()))
 
 

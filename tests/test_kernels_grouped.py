@@ -58,7 +58,7 @@ def test_group_for_takes_the_largest_divisor_up_to_eight():
         [3, 4, 8, 7, 1, 3, 8]
     assert K.group_for(32, 8, "fp8_e4m3") == 1 and K.group_for(32, 8, "int8") == 1
     with pytest.raises(ValueError, match="group"):
-        K.KernelVariant("float16", 64, 16, "int8", 2)
+        K.KernelVariant("float16", 64, 16, "int8", K.MAX_QUANTIZED_GROUP + 1)
     with pytest.raises(ValueError, match="group"):
         K.KernelVariant("float16", 64, 16, "auto", 9)
 

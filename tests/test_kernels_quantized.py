@@ -82,11 +82,12 @@ class QCase:
             key_cache=dequantize(self.k, self.kv, self.k_scales), value_cache=dequantize(self.v, self.kv, self.v_scales),
         ).reference()
 
-    def run(self, ker: K.PagedKernels, version: str | None) -> tuple[np.ndarray, str]:
+    def run(self, ker: K.PagedKernels, version: str | None, group: int | None = None) -> tuple[np.ndarray, str]:
         c = self.case
         out = c.empty_out()
         used = ker.paged_attention(out, c.query, self.k, self.v, c.block_tables, c.seq_lens_arr, c.max_seq_len,
-                                   c.scale, version=version, k_scales=self.k_scales, v_scales=self.v_scales)
+                                   c.scale, version=version, k_scales=self.k_scales, v_scales=self.v_scales,
+                                   group=group)
         return T.to_f64(out, c.variant.dtype), used
 
 
@@ -183,6 +184,42 @@ def test_v2_several_partitions_and_schedules(emu, kv):
         check(qc, qc.run(emu(kv)[variant], "v1")[0], f"v1 {variant}")
         out_g, _ = qc.run(greedy[variant], "v2")
         assert np.array_equal(out2, out_g), f"{variant}: schedules disagree"
+
+
+# (dtype, head, block, heads, kv heads, group): the grouped kernels of a quantized cache
+GROUPED = [("bfloat16", 128, 16, 8, 2, 4), ("float16", 64, 32, 9, 3, 3), ("float32", 96, 8, 4, 2, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_kernels(kv: str) -> dict[K.KernelVariant, K.PagedKernels]:
+    from pagedrun.cudaemu import EmuModule
+    from pagedrun.cudaemu.module import MAX_OPT_IN_SHARED
+
+    variants = [K.KernelVariant(d, h, b, kv, g) for d, h, b, _, _, g in GROUPED]
+    names = list(dict.fromkeys(n for v in variants for n in v.name_expressions(("v1", "v2"))))
+    module = EmuModule(K.full_source(), name_expressions=names, filename="kernels/paged_attention.cu")
+    kers = {v: K.PagedKernels(v, module, np) for v in variants}
+    for ker in kers.values():
+        ker.smem_optin = MAX_OPT_IN_SHARED
+    return kers
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_grouped_quantized_kernels_equal_one_head_bit_for_bit(emu, kv):
+    """Blocks serving up to MAX_QUANTIZED_GROUP query heads of a quantized cache add each head's
+    sums in the one-head kernel's order: the same bits, v1 and v2, every KV dtype. (Launched only
+    where asked for, K.group_for keeping 1, until a GPU has timed them: docs/gpu.md.)"""
+    for j, (v, ker) in enumerate(grouped_kernels(kv).items()):
+        heads, kv_heads = GROUPED[j][3:5]
+        assert K.group_for(heads, kv_heads, kv) == 1 and v.launch_group(heads, kv_heads) == v.group > 1
+        qc = make_qcase(v, T.V2_SEQ_LENS, heads, kv_heads, seed=200 + j)
+        for version in ("v1", "v2"):
+            grouped, used = qc.run(ker, version, v.group)
+            assert used == version
+            check(qc, grouped, f"{version} {v}")
+            np.testing.assert_array_equal(grouped, qc.run(ker, version, 1)[0], err_msg=f"{version} {v}")
+    with pytest.raises(ValueError, match="group"):
+        K.KernelVariant("float16", 64, 16, kv, K.MAX_QUANTIZED_GROUP + 1)
 
 
 def test_scales_are_applied(emu):

@@ -20,6 +20,10 @@ PARTITION_SIZE = 512
 # Query heads per thread block (GQA): a block serving the query heads of one KV head loads each K/V
 # row once for all of them. Up to 8 (Llama 3 70B's 64/8; Qwen2's 7): register use grows with it.
 MAX_GROUP = 8
+# A quantized cache's grouped kernels: 16 one-byte elements per value load times the group's heads
+# are fp32 accumulators (nvcc 13, sm_90: 120-128 registers at 4, 211-255 at 8). Compiled and tested,
+# launched only where asked for (group_for keeps 1 until a GPU has timed them against one head).
+MAX_QUANTIZED_GROUP = 4
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
@@ -59,8 +63,9 @@ class KernelVariant:
             raise ValueError(f"block_size {self.block_size}: compiled block sizes are {BLOCK_SIZES}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv cache dtype {self.kv_dtype!r}: the CUDA kernels support {', '.join(KV_DTYPES)}")
-        if not 1 <= self.group <= MAX_GROUP or (self.quantized and self.group > 1):
-            raise ValueError(f"group {self.group}: 1..{MAX_GROUP} query heads per block, 1 for a quantized cache")
+        if not 1 <= self.group <= (MAX_QUANTIZED_GROUP if self.quantized else MAX_GROUP):
+            raise ValueError(f"group {self.group}: 1..{MAX_GROUP} query heads per block, "
+                             f"1..{MAX_QUANTIZED_GROUP} for a quantized cache")
 
     @property
     def ctype(self) -> str:
@@ -140,8 +145,8 @@ class KernelVariant:
 
 def group_for(num_heads: int, num_kv_heads: int, kv_dtype: str = "auto") -> int:
     """Query heads per block for a model: the largest divisor of num_heads / num_kv_heads up to
-    MAX_GROUP (a ratio of 16 takes two blocks of 8 per KV head); 1 for MHA and quantized caches
-    (a 1-byte cache's 16-element vectors times the group would not fit in registers)."""
+    MAX_GROUP (a ratio of 16 takes two blocks of 8 per KV head); 1 for MHA, and for quantized caches
+    until their grouped kernels (MAX_QUANTIZED_GROUP) have been timed on a GPU (docs/gpu.md)."""
     ratio = num_heads // num_kv_heads if num_kv_heads > 0 and num_heads % num_kv_heads == 0 else 1
     if kv_dtype != "auto":
         return 1
