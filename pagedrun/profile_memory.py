@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pagedrun.attention.torch_backend import DECODE_GATHER_TOKENS
+from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.kv.profiler import rss_bytes

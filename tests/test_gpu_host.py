@@ -382,6 +382,7 @@ def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
 # ---------------------------------------------------------------- 2. memory: budget and allocation
 
 from pagedrun.kv import memory as M  # noqa: E402
+from pagedrun.attention.scratch import attention_scratch_bytes  # noqa: E402
 from pagedrun.kv.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
 from pagedrun.kv import torch_cap as TC  # noqa: E402
 from pagedrun.kv.profiler import CudaReadings, cuda_profile  # noqa: E402
@@ -391,9 +392,9 @@ GiB = 1 << 30
 
 
 def llama8b_scratch(max_model_len, paged_decode=True, seqs=256):
-    return M.attention_scratch_bytes(num_heads=32, num_kv_heads=8, head_size=128, elem_bytes=2, block_size=16,
-                                     max_model_len=max_model_len, max_num_seqs=seqs, max_num_batched_tokens=2048,
-                                     paged_decode=paged_decode)
+    return attention_scratch_bytes(num_heads=32, num_kv_heads=8, head_size=128, elem_bytes=2, block_size=16,
+                                   max_model_len=max_model_len, max_num_seqs=seqs, max_num_batched_tokens=2048,
+                                   paged_decode=paged_decode)
 
 
 def test_attention_scratch_is_the_v2_worst_case_at_long_context():

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrun.attention import torch_backend as TB
+from pagedrun.attention import scratch as S
 from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
 from pagedrun.kv.profiler import CpuReadings, CudaReadings, PeakRSS, cpu_profile, cuda_profile, profile_batch, rss_bytes
 from pagedrun.models.config import ModelConfig
@@ -227,7 +227,7 @@ def test_decode_gather_estimate():
     plan = cpu_plan(kv_cache_memory=256 * MiB, bb=128 * 1024)
     assert plan.decode_gather_bytes == 0  # a backend that reads the cache in place
     r = plan.profile
-    g = TB.decode_gather_bytes(num_heads=8, num_kv_heads=2, head_size=64, elem_bytes=2, block_size=16,
+    g = S.decode_gather_bytes(num_heads=8, num_kv_heads=2, head_size=64, elem_bytes=2, block_size=16,
                                max_model_len=500, max_num_seqs=64)
     # 64 sequences x 512 padded rows = 32,768 <= 65,536: K and V (2 kv heads) + room for one row per
     # query head (8), fp32 scores and probabilities per head, two mask bytes.
@@ -238,12 +238,12 @@ def test_decode_gather_estimate():
     assert plan.decode_gather_bytes == g
     # Past the chunk size the bound stops growing with max_num_seqs; one sequence always fits.
     big = dict(num_heads=8, num_kv_heads=2, head_size=64, elem_bytes=2, block_size=16)
-    assert (TB.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=256)
-            == TB.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=8))
-    assert TB.decode_gather_tokens(256, 131072) == 131072
+    assert (S.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=256)
+            == S.decode_gather_bytes(**big, max_model_len=8192, max_num_seqs=8))
+    assert S.decode_gather_tokens(256, 131072) == 131072
     # A quantized cache is widened to fp32 for the step's blocks before the gather.
-    q = TB.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64, quantized=True)
-    assert q == TB.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64) \
+    q = S.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64, quantized=True)
+    assert q == S.decode_gather_bytes(**{**big, "elem_bytes": 4}, max_model_len=512, max_num_seqs=64) \
         + 64 * 512 * 2 * 2 * 64 * 4
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.table import Table
 
-from pagedrun.attention import torch_backend as TB
+from pagedrun.attention import scratch as S
 from pagedrun.bench_tables import bench_tables
 from pagedrun.kv.memory import GiB, MiB, plan_memory, requests_fit
 from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
@@ -122,7 +122,7 @@ def _cpu_plan():
                     method="VmHWM (peak RSS) during the profile pass")
     return plan_memory(profile=cpu_profile(r, 1 * GiB), block_bytes=23_040 * 16,
                        cache_cfg=CacheConfig(kv_cache_memory=0.5), max_model_len=8192, max_num_seqs=256, uses_swap=False, host_available_bytes=900 * GiB,
-                       decode_gather=TB.decode_gather_bytes(num_heads=9, num_kv_heads=3, head_size=64, elem_bytes=2,
+                       decode_gather=S.decode_gather_bytes(num_heads=9, num_kv_heads=3, head_size=64, elem_bytes=2,
                                                             block_size=16, max_model_len=8192, max_num_seqs=256))
 
 

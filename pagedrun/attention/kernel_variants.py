@@ -147,9 +147,9 @@ def group_for(num_heads: int, num_kv_heads: int, kv_dtype: str = "auto") -> int:
     """Query heads per block for a model: the largest divisor of num_heads / num_kv_heads up to
     MAX_GROUP (a ratio of 16 takes two blocks of 8 per KV head); 1 for MHA, and for quantized caches
     until their grouped kernels (MAX_QUANTIZED_GROUP) have been timed on a GPU (docs/gpu.md)."""
-    ratio = num_heads // num_kv_heads if num_kv_heads > 0 and num_heads % num_kv_heads == 0 else 1
     if kv_dtype != "auto":
         return 1
+    ratio = num_heads // num_kv_heads if num_kv_heads > 0 and num_heads % num_kv_heads == 0 else 1
     return max(d for d in range(1, MAX_GROUP + 1) if ratio % d == 0)
 
 

@@ -23,8 +23,7 @@ import numpy as np
 from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
 from pagedrun.attention.kernel_variants import (  # noqa: F401  (re-exported)
     BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, MAX_GROUP, MAX_QUANTIZED_GROUP, NUM_THREADS, PARTITION_SIZE,
-    QUANTIZED_KV_DTYPES,
-    WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
+    QUANTIZED_KV_DTYPES, WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
 )
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"

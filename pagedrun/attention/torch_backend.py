@@ -33,40 +33,8 @@ import torch.nn.functional as F
 from pagedrun.attention import cpu_kernels
 from pagedrun.kv import kv_quant
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
 from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs
-
-
-# The most K/V rows one decode SDPA call gathers (sequences padded to the longest of their chunk):
-# a step with more decodes runs in chunks, so the gather is a bound the memory plan can hold and a
-# capped CUDA allocator can rely on (kv/memory.py), not a share of whatever the cache holds.
-DECODE_GATHER_TOKENS = 65_536
-
-
-def decode_gather_tokens(max_num_seqs: int, padded_len: int) -> int:
-    """The most K/V rows one decode call gathers: a chunk stops at DECODE_GATHER_TOKENS rows, but
-    always holds at least one sequence of padded_len (max_model_len rounded up to a block)."""
-    return min(max_num_seqs * padded_len, max(DECODE_GATHER_TOKENS, padded_len))
-
-
-def decode_gather_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, elem_bytes: int,
-                        block_size: int, max_model_len: int, max_num_seqs: int, quantized: bool = False) -> int:
-    """Derived upper bound on what one decode call of the torch path allocates: per gathered row,
-    K and V in the cache's dtype, room for SDPA to widen them to one row per query head (its math
-    path repeats K/V for GQA), fp32 scores and probabilities per head, and the length masks. A
-    quantized cache (elem_bytes 4) is first widened, block by block of the step, to an fp32 copy."""
-    padded = -(-max_model_len // block_size) * block_size
-    per_row = 2 * head_size * elem_bytes * (num_kv_heads + num_heads) + 8 * num_heads + 2
-    widened = dequantized_copy_bytes(num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
-                                     max_model_len=max_model_len, max_num_seqs=max_num_seqs) if quantized else 0
-    return decode_gather_tokens(max_num_seqs, padded) * per_row + widened
-
-
-def dequantized_copy_bytes(*, num_kv_heads: int, head_size: int, block_size: int, max_model_len: int,
-                           max_num_seqs: int) -> int:
-    """The fp32 K and V copy of a quantized cache's blocks that one step reads (_dequantized_blocks):
-    at most max_num_seqs sequences of max_model_len."""
-    padded = -(-max_model_len // block_size) * block_size
-    return max_num_seqs * padded * 2 * num_kv_heads * head_size * 4
 
 
 def decode_chunks(seq_lens: list[int], block_size: int, limit: int) -> list[range]:
@@ -237,7 +205,11 @@ class TorchAttentionBackend:
         lens = meta.seq_lens_list if all_seqs else [meta.seq_lens_list[i] for i in seqs]
         seq_lens = meta.seq_lens if all_seqs else meta.seq_lens[list(seqs)]
         tables = meta.block_tables if all_seqs else meta.block_tables[list(seqs)]
-        chunks = decode_chunks(lens, key_cache.shape[1], DECODE_GATHER_TOKENS)
+        # The same for every layer of the step: worked out by the first.
+        key = ("decode_chunks", all_seqs, DECODE_GATHER_TOKENS)
+        chunks = meta.backend_state.get(key)
+        if chunks is None:
+            chunks = meta.backend_state[key] = decode_chunks(lens, key_cache.shape[1], DECODE_GATHER_TOKENS)
         if len(chunks) == 1:
             return _gather_decode(query, key_cache, value_cache, tables, seq_lens, max(lens), scale)
         out = torch.empty_like(query)

@@ -51,12 +51,12 @@ class MemoryPlan:
     gpu_memory_utilization: float | None = None  # CUDA only
     host_available_bytes: int = 0  # MemAvailable after the profile (the CPU budget's base)
     # Derived, not measured: the most one decode call of the torch path allocates (its gather of
-    # K/V, chunked at attention/torch_backend.DECODE_GATHER_TOKENS rows, and SDPA's work on it).
+    # K/V, chunked at attention/scratch.py's DECODE_GATHER_TOKENS rows, and SDPA's work on it).
     # 0 when the backend reads the cache in place (the C++ and CUDA kernels).
     decode_gather_bytes: int = 0
     kv_cache_dtype: str = ""  # how the cache stores K/V (kv/kv_quant.py), resolved; "" = not given
     # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
-    # the profile pass exercised, at max_model_len (attention_scratch_bytes); inside the budget.
+    # the profile pass exercised, at max_model_len (attention/scratch.py); inside the budget.
     attention_scratch_bytes: int = 0
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
@@ -165,36 +165,11 @@ def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype, kv_spec: K
                                    model_cfg.head_dim) * block_size
 
 
-def attention_scratch_bytes(*, num_heads: int, num_kv_heads: int, head_size: int, elem_bytes: int,
-                            block_size: int, max_model_len: int, max_num_seqs: int,
-                            max_num_batched_tokens: int, paged_decode: bool) -> int:
-    """The worst case, per layer call, of what attention allocates at max_model_len that the profile
-    pass (fresh prompts of at most max_num_batched_tokens / max_num_seqs tokens) never allocates:
-
-    - prefill with a cached prefix (SDPA, every CUDA backend): the prefix's K/V gathered into one
-      [max_model_len, kv_heads, head_size] pair, and the shifted causal mask (bool, queries x keys);
-    - paged_decode (the CuPy kernels): v2's per-partition partials for max_num_seqs decode rows,
-      fp32 [rows, heads, parts, head_size + 2], and the rows' block tables and lengths.
-    The two are never live at once (one layer's decode launch ends before its prefills start)."""
-    from pagedrun.attention import kernels as K
-
-    padded = -(-max_model_len // block_size) * block_size
-    gather = 2 * padded * num_kv_heads * head_size * elem_bytes + min(max_num_batched_tokens, max_model_len) * padded
-    v2 = tables = 0
-    if paged_decode:
-        parts = K.num_partitions(max_model_len)
-        # v2 runs for every decode row once a sequence spans two partitions (kernels.use_v1)
-        v2 = max_num_seqs * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
-        tables = max_num_seqs * (padded // block_size + 3) * 4 + 8 * max_num_seqs
-    return max(gather, v2) + tables
-
-
 def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_model_len: int, max_num_seqs: int,
                 uses_swap: bool, host_available_bytes: int, decode_gather: int = 0,
                 attention_scratch: int = 0) -> MemoryPlan:
     """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError.
-    attention_scratch (CUDA): attention_scratch_bytes(...) for this model and backend;
-    decode_gather: torch_backend.decode_gather_bytes(...) where decode gathers K/V, else 0."""
+    attention_scratch (CUDA) and decode_gather (where decode gathers K/V, else 0): attention/scratch.py."""
     bb, bs = block_bytes, cache_cfg.block_size
     cuda = profile.device.startswith("cuda")
     blocks_per_seq = -(-max_model_len // bs)
@@ -361,8 +336,8 @@ def requests_fit(blocks: list[int], num_blocks: int) -> RequestsFit:
 def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.device,
                   max_model_len: int) -> MemoryPlan:
     """Profile the loaded model and turn the recipe's budget into blocks (LLMEngine.__init__)."""
-    from pagedrun.attention import torch_backend as TB
     from pagedrun.attention.registry import make_backend
+    from pagedrun.attention.scratch import plan_scratch
 
     name = recipe.model.attention_backend
     # The emulator runs the CUDA kernels instruction by instruction: far too slow for a 2k-token
@@ -373,28 +348,11 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
                           max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len)
     kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
-    gathers = _gathers_on_decode(backend, device)
-    # The torch path over a quantized cache attends to an fp32 copy of the step's blocks (its
-    # prefill gathers fp32 rows from it), live for the layer's whole attention call.
-    widened = gathers and kv_spec.quantized
-    scratch = 0
-    if device.type == "cuda":
-        scratch = attention_scratch_bytes(
-            num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
-            head_size=model_cfg.head_dim, elem_bytes=4 if widened else dtype_bytes(dtype),
-            block_size=recipe.cache.block_size, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens, paged_decode=backend.name == "cupy")
-        if widened:
-            scratch += TB.dequantized_copy_bytes(num_kv_heads=model_cfg.num_key_value_heads, head_size=model_cfg.head_dim,
-                                                 block_size=recipe.cache.block_size, max_model_len=max_model_len,
-                                                 max_num_seqs=sched.max_num_seqs)
-    gather = 0
-    if gathers:
-        gather = TB.decode_gather_bytes(
-            num_heads=model_cfg.num_attention_heads, num_kv_heads=model_cfg.num_key_value_heads,
-            head_size=model_cfg.head_dim, elem_bytes=4 if widened else dtype_bytes(kv_spec.storage),
-            block_size=recipe.cache.block_size, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-            quantized=widened)
+    scratch, gather = plan_scratch(
+        model_cfg=model_cfg, block_size=recipe.cache.block_size, max_model_len=max_model_len,
+        max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+        elem_bytes=dtype_bytes(dtype), cache_elem_bytes=dtype_bytes(kv_spec.storage), cuda=device.type == "cuda",
+        paged_decode=backend.name == "cupy", gathers=_gathers_on_decode(backend, device), quantized=kv_spec.quantized)
     plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
