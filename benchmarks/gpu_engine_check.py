@@ -1,6 +1,6 @@
 """The engine end to end on CUDA (benchmarks/gpu_check.sh runs it): attention_backend cupy vs torch
 give the same greedy tokens, and what the process holds on the device stays within
-gpu_memory_utilization x total. Random tiny Llamas (tests/tiny_models.py), no downloads.
+gpu_memory_utilization x total; the same with an fp8 KV cache. Random tiny Llamas (tests/tiny_models.py), no downloads.
 
     python3 benchmarks/gpu_engine_check.py [--utilization 0.5]
 
@@ -18,6 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+RUNS = [("torch", "float32", "auto"), ("cupy", "float32", "auto"), ("cupy", "bfloat16", "auto"),
+        ("torch", "float32", "fp8_e4m3"), ("cupy", "float32", "fp8_e4m3")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,16 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         base = [f"model.path={d}", "model.device=cuda", "cache.block_size=16", f"cache.gpu_memory_utilization={u}",
                 "sampling.max_tokens=64", "sampling.ignore_eos=true", "scheduler.max_num_batched_tokens=1024"]
         tokens = {}
-        for backend, dtype in (("torch", "float32"), ("cupy", "float32"), ("cupy", "bfloat16")):
+        # fp8: the grouped 1-byte kernels (cupy) and the torch path's dequantized copies, in the plan
+        for backend, dtype, kv in RUNS:
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            llm = LLM(load_recipe(None, base + [f"model.attention_backend={backend}", f"model.dtype={dtype}"]))
+            llm = LLM(load_recipe(None, base + [f"model.attention_backend={backend}", f"model.dtype={dtype}",
+                                                f"cache.kv_cache_dtype={kv}"]))
             out = llm.generate(prompts)
             wall = time.perf_counter() - t0
-            tokens[(backend, dtype)] = [o.outputs[0].token_ids for o in out]
+            tokens[(backend, dtype, kv)] = [o.outputs[0].token_ids for o in out]
+            shown = dtype if kv == "auto" else f"{dtype}, {kv} cache"
             free, total = torch.cuda.mem_get_info()
             in_use, limit = total - free, u * total
-            print(f"engine {label} {backend}/{dtype}: {wall:.1f}s incl. load; in use {in_use / 2**30:.2f} GiB "
+            print(f"engine {label} {backend}/{shown}: {wall:.1f}s incl. load; in use {in_use / 2**30:.2f} GiB "
                   f"(limit {limit / 2**30:.2f}); torch max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; "
                   f"cupy pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.1f} MiB; "
                   f"kernel {getattr(llm.engine.backend, 'last_version', None)}; "
@@ -72,16 +79,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(in_use - torch.cuda.memory_reserved()) / 2**20:.0f} MiB, torch reserved "
                   f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB, KV {llm.engine.memory.kv_cache_bytes / 2**20:.0f} MiB")
             if in_use > limit:
-                failures.append(f"{label} {backend}/{dtype}: {in_use / 2**30:.2f} GiB in use > {limit / 2**30:.2f}")
+                failures.append(f"{label} {backend}/{shown}: {in_use / 2**30:.2f} GiB in use > {limit / 2**30:.2f}")
             del llm, out
             gc.collect()
             torch.cuda.empty_cache()
             cupy.get_default_memory_pool().free_all_blocks()
-        a_, b_ = tokens[("torch", "float32")], tokens[("cupy", "float32")]
-        same = sum(x == y for x, y in zip(a_, b_))
-        print(f"engine {label}: greedy tokens torch vs cupy (float32) {same}/{len(prompts)} requests identical")
-        if same != len(prompts):
-            failures.append(f"{label}: greedy tokens differ in {len(prompts) - same} requests")
+        for kv in ("auto", "fp8_e4m3"):
+            a_, b_ = tokens[("torch", "float32", kv)], tokens[("cupy", "float32", kv)]
+            same = sum(x == y for x, y in zip(a_, b_))
+            what = "float32" + ("" if kv == "auto" else f", {kv} cache")
+            print(f"engine {label}: greedy tokens torch vs cupy ({what}) {same}/{len(prompts)} requests identical")
+            if same != len(prompts):
+                failures.append(f"{label} ({what}): greedy tokens differ in {len(prompts) - same} requests")
     if failures:
         print("engine: FAILED: " + "; ".join(failures))
         return 1

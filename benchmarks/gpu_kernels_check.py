@@ -178,8 +178,8 @@ def quantized():
                                 v.copy_scales_name)
                 cupy.cuda.runtime.deviceSynchronize()
                 assert bool((ks[3] == ks[0]).all())
-        # The grouped kernels of a quantized cache (launched only where asked for, K.group_for
-        # keeping 1 until timed): within the references, and level with one head per block.
+        # The grouped kernels of a quantized cache (K.group_for's pick): within the references, and
+        # level with one head per block.
         for j, (d, h, b, heads, kv_heads, g) in enumerate(Q.GROUPED):
             v = K.KernelVariant(d, h, b, kv, g)
             ker = K.cupy_kernels(v)

@@ -56,7 +56,9 @@ def emu():
 def test_group_for_takes_the_largest_divisor_up_to_eight():
     assert [K.group_for(h, kv) for h, kv in [(9, 3), (32, 8), (64, 4), (14, 2), (12, 12), (36, 4), (24, 1)]] == \
         [3, 4, 8, 7, 1, 3, 8]
-    assert K.group_for(32, 8, "fp8_e4m3") == 1 and K.group_for(32, 8, "int8") == 1
+    # a 1-byte cache: up to MAX_QUANTIZED_GROUP (4)
+    assert [K.group_for(h, kv, q) for h, kv in [(32, 8), (64, 4), (9, 3), (12, 12)] for q in ("fp8_e4m3", "int8")] \
+        == [4, 4, 4, 4, 3, 3, 1, 1]
     with pytest.raises(ValueError, match="group"):
         K.KernelVariant("float16", 64, 16, "int8", K.MAX_QUANTIZED_GROUP + 1)
     with pytest.raises(ValueError, match="group"):

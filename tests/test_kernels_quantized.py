@@ -207,11 +207,11 @@ def grouped_kernels(kv: str) -> dict[K.KernelVariant, K.PagedKernels]:
 @pytest.mark.parametrize("kv", KV)
 def test_grouped_quantized_kernels_equal_one_head_bit_for_bit(emu, kv):
     """Blocks serving up to MAX_QUANTIZED_GROUP query heads of a quantized cache add each head's
-    sums in the one-head kernel's order: the same bits, v1 and v2, every KV dtype. (Launched only
-    where asked for, K.group_for keeping 1, until a GPU has timed them: docs/gpu.md.)"""
+    sums in the one-head kernel's order: the same bits, v1 and v2, every KV dtype; K.group_for picks
+    them (1.8x the one-head kernel's rate on an H200: docs/gpu.md)."""
     for j, (v, ker) in enumerate(grouped_kernels(kv).items()):
         heads, kv_heads = GROUPED[j][3:5]
-        assert K.group_for(heads, kv_heads, kv) == 1 and v.launch_group(heads, kv_heads) == v.group > 1
+        assert K.group_for(heads, kv_heads, kv) == v.group and v.launch_group(heads, kv_heads) == v.group > 1
         qc = make_qcase(v, T.V2_SEQ_LENS, heads, kv_heads, seed=200 + j)
         for version in ("v1", "v2"):
             grouped, used = qc.run(ker, version, v.group)
