@@ -38,8 +38,11 @@ def dequantize_tensor(x: torch.Tensor, kv: str, fp8_scale: float) -> torch.Tenso
 @pytest.fixture(scope="module")
 def kernels():
     T.emulator_or_skip()
-    built = K.build_kernels(K.emulator_module_factory(), [
-        K.KernelVariant(d, D, bs, kv) for kv in K.QUANTIZED_KV_DTYPES for d, D, bs, *_ in CASES], np)
+    # the variants the backend asks for: K.group_for's group (the grouped 1-byte kernels), and one
+    # head per block where it has seen no query (copy_blocks before any forward)
+    variants = {K.KernelVariant(d, D, bs, kv, g) for kv in K.QUANTIZED_KV_DTYPES for d, D, bs, h, kvh, _ in CASES
+                for g in (1, K.group_for(h, kvh, kv))}
+    built = K.build_kernels(K.emulator_module_factory(), sorted(variants, key=str), np)
     return lambda v: built[v]
 
 
