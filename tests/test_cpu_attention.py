@@ -350,3 +350,46 @@ def test_vector_widths_agree(kern, head_dim, heads, kv_heads):
                           case.meta.query_start_loc, case.meta.seq_lens, case.meta.context_lens, case.scale, 2) == 0
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=0)
+
+
+# bf16 prefill on AMX tiles (kernels/cpu/attention_amx.h) where the CPU has them: Q.K^T and P.V
+# (P rounded to bf16) in the tile unit, chunks of 32 keys across blocks. Held to the float64
+# reference with the FMA path's bound, switched off for the same case, and compared with it.
+AMX_CASES = [
+    # (seqs, block_size, heads, kv_heads, head_dim)
+    ([(0, 6), (17, 1), (8, 3), (31, 1), (0, 70)], 16, 8, 2, 64),
+    ([(0, 150), (37, 90), (0, 2), (5, 33)], 16, 9, 3, 64),  # the default model's GQA 9/3
+    ([(0, 45), (64, 20), (3, 17)], 32, 4, 1, 128),
+    ([(0, 19), (40, 9)], 8, 4, 4, 96),
+    ([(0, 70), (10, 2)], 16, 2, 1, 80),  # head 80: not a multiple of 32, the FMA path
+]
+
+
+@pytest.mark.parametrize("case_args", AMX_CASES)
+def test_bf16_prefill_on_tiles_and_off_match_float64(kern, case_args):
+    if torch.bfloat16 not in kern.dtypes:
+        pytest.skip("bf16 not supported by this build")
+    seqs, block_size, heads, kv_heads, head_dim = case_args
+    had = kern.amx()
+    outs = []
+    try:
+        for on in (1, 0):
+            kern.amx(on)
+            case = Case(seqs, block_size, heads, kv_heads, head_dim, seed=block_size + head_dim, dtype=torch.bfloat16,
+                        num_pad_tokens=1)
+            outs.append(case.check(atol=3e-2))
+    finally:
+        kern.amx(int(had))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=3e-2, rtol=0)
+
+
+def test_amx_is_used_where_the_cpu_has_it(kern):
+    flags = set(open("/proc/cpuinfo").read().split()) if platform_is_linux() else set()
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags or "-mamx-tile" not in machine_flags():
+        pytest.skip("no AMX on this CPU (or PAGEDRUN_KERNEL_ISA rules it out)")
+    assert kern.amx()
+
+
+def platform_is_linux() -> bool:
+    import sys
+    return sys.platform.startswith("linux")

@@ -354,3 +354,29 @@ def test_packed_embedding_table_looks_up_the_same_rows(kern):
     # As the tied LM head: the same product as the unpacked table.
     h = torch.randn(5, 24, generator=g)
     torch.testing.assert_close(ops.linear_packed(h, emb.weight, None, 37), F.linear(h, table), atol=1e-5, rtol=0)
+
+
+def test_bf16_rounding_of_denormals_is_torchs(kern):
+    """Where the CPU has avx512_bf16, bf16 rounding is one vcvtneps2bf16, which reads fp32 denormals
+    as zero; vectors holding one take the integer route (simd.h bf16_v). Tiny activations (most of
+    these results are denormal) must still give torch's bits: RoPE and SiLU * up."""
+    g = _gen(99)
+    hd = 64
+    q = (torch.randn(29, 9, hd, generator=g) * 1e-38).bfloat16()
+    k = (torch.randn(29, 3, hd, generator=g) * 3e-39).bfloat16()
+    q[0, 0, :8] = torch.tensor([1e-40, -1e-40, 5e-39, 1.1e-38, 1.2e-38, 0.0, -0.0, 9e-41]).bfloat16()
+    pos = torch.randint(0, 100, (29,), generator=g)
+    freqs = torch.outer(torch.arange(128).float(), 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+    with ops.torch_only():
+        wq, wk = ops.rope(pos, q.clone(), k.clone(), freqs.cos(), freqs.sin())
+    gq, gk = ops.rope(pos, q.clone(), k.clone(), freqs.cos(), freqs.sin())
+    assert (wq.float().abs() < 2**-126).float().mean() > 0.3  # the case is really about denormals
+    assert torch.equal(gq.view(torch.int16), wq.view(torch.int16)) and torch.equal(gk.view(torch.int16),
+                                                                                    wk.view(torch.int16))
+    gate_up = (torch.randn(31, 2 * 576, generator=g) * 4).bfloat16()
+    gate_up[:, :20] = (torch.randn(31, 20, generator=g) * 1e-38).bfloat16()
+    gate_up[:, 576:600] = (torch.randn(31, 24, generator=g) * 1e-30).bfloat16()
+    with ops.torch_only():
+        want = ops.silu_and_mul(gate_up)
+    assert (want.float().abs() < 2**-126).sum() > 100
+    assert torch.equal(ops.silu_and_mul(gate_up).view(torch.int16), want.view(torch.int16))

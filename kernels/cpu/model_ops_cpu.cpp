@@ -458,10 +458,32 @@ int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int
     if (positions[t] < 0 || positions[t] >= max_pos) return -2;
   if (num_threads < 1) num_threads = 1;
   const int64_t half = head_size / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= 65536)
+#ifndef PR_ROPE_SPLIT
+#define PR_ROPE_SPLIT 16384
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= PR_ROPE_SPLIT)
   for (int64_t t = 0; t < ntok; ++t) {
     const float* c = cos + positions[t] * half;
     const float* s = sin + positions[t] * half;
+    if ((std::is_same<T, float>::value || kOneInstructionBf16) && half % kVec == 0 && half <= 256) {
+      // A vector at a time, cos and sin rounded once per token, not per head: bf16 at 64 tokens
+      // 35 -> 30 us (with bf16_v's one-instruction rounding; slower than g++'s own loop without it).
+      alignas(64) float cr[256], sr[256];
+      for (int64_t i = 0; i < half; i += kVec) {
+        store_v(cr + i, rnd_v<T>(load_v(c + i)));
+        store_v(sr + i, rnd_v<T>(load_v(s + i)));
+      }
+      for (int64_t hd = 0; hd < num_heads; ++hd) {
+        T* x1 = x + t * ldx + hd * head_size;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; i += kVec) {
+          const vgf a = ld_v(x1 + i), b = ld_v(x2 + i), ci = load_v(cr + i), si = load_v(sr + i);
+          st_v(x1 + i, rnd_v<T>(a * ci) - rnd_v<T>(b * si));
+          st_v(x2 + i, rnd_v<T>(b * ci) + rnd_v<T>(a * si));
+        }
+      }
+      continue;
+    }
     for (int64_t hd = 0; hd < num_heads; ++hd) {
       T* x1 = x + t * ldx + hd * head_size;
       T* x2 = x1 + half;

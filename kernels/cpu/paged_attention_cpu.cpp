@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -440,6 +441,8 @@ inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m
   }
 }
 
+#include "attention_amx.h"  // PR_ATTENTION_AMX: the same on AMX tiles (bf16)
+
 // ---- prefill: many tokens against the same keys ----
 //
 // The tokens of a prefill item that see a chunk take it together: the chunk's K transposed once
@@ -561,12 +564,16 @@ struct Item {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, p, k, v, kt;
+#ifdef PR_ATTENTION_AMX
+  std::vector<uint16_t> qb;           // q rows in bf16, unscaled, + 16 zero rows (a tile reads 16)
+  std::unique_ptr<AmxChunk> chunk;
+#endif
   void reserve(int64_t rows, int64_t hd) {
     q.resize(rows * hd);
     acc.resize(rows * hd);
     m.resize(rows);
     l.resize(rows);
-    s.resize(rows * kKeysPerChunk);
+    s.resize((rows + 16) * kKeysPerChunk);
     p.resize(std::max(kMaxGroupRows, kQkAcc) * kKeysPerChunk);
     k.resize(kKeysPerChunk * hd);
     v.resize(kKeysPerChunk * hd);
@@ -600,6 +607,21 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
         float* dst = qf + (((h - it.kv0) * it.ntok + t) * group + g) * hd;
         for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]) * sh.scale;
       }
+#ifndef PR_ATTENTION_AMX
+  constexpr bool amx = false;
+#else
+  const bool amx = it.ntok >= 2 && attention_amx_usable<T, KV>(hd);
+  if (amx) {
+    if (!sc.chunk) sc.chunk.reset(new AmxChunk);
+    sc.qb.assign((rows + 16) * hd, 0);
+    for (int64_t h = it.kv0; h < it.kv1; ++h)
+      for (int64_t t = 0; t < it.ntok; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = query + (it.tok0 + t) * sh.q_stride + (h * group + g) * hd;
+          std::memcpy(sc.qb.data() + (((h - it.kv0) * it.ntok + t) * group + g) * hd, src, hd * 2);
+        }
+  }
+#endif
   std::fill(acc, acc + rows * hd, 0.0f);
   std::fill(m, m + rows, -__builtin_inff());
   std::fill(l, l + rows, 0.0f);
@@ -607,7 +629,13 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   // Bytes of one chunk row this item reads: its heads' slice of a cache row.
   const int64_t slice_off = it.kv0 * hd, slice_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(E);
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
-  for (int64_t p0 = 0; p0 < end;) {
+#ifdef PR_ATTENTION_AMX
+  if (amx) {
+    attend_chunks_amx(it, key_cache, value_cache, table, tok_stride, sh.block_size, group, hd, sh.scale,
+                      sc.qb.data(), s, acc, m, l, *sc.chunk);
+  }
+#endif
+  for (int64_t p0 = amx ? end : 0; p0 < end;) {
     const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
     const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
     const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
@@ -707,9 +735,16 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const typename 
   {
     Scratch sc;
     sc.reserve(max_rows, sh.head_size);
+#ifdef PR_ATTENTION_AMX
+    const bool amx = attention_amx_usable<T, KV>(sh.head_size);
+    if (amx) amx_configure();  // per thread
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i)
       attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr);
+#ifdef PR_ATTENTION_AMX
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -890,4 +925,17 @@ PR_EXPORT int paged_reshape_and_cache(const void* key, const void* value, void* 
 }
 
 // dtype codes this build supports, as a bit mask (1 << code).
+// Whether bf16 prefill attention runs its products on AMX tiles (attention_amx.h): `on` = 1 or 0 sets
+// it (the tests compare both paths), -1 only asks. 0 where the build has no AMX or the kernel refuses
+// the process its tile state.
+PR_EXPORT int paged_attention_amx(int on) {
+#ifdef PR_ATTENTION_AMX
+  if (on >= 0) g_attention_amx = on != 0;
+  return g_attention_amx && amx_permitted() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
 PR_EXPORT int paged_attention_dtypes() { return (1 << kFloat32) | (1 << kBFloat16) | (PR_HAVE_F16 << kFloat16); }

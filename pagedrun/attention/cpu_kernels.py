@@ -70,7 +70,14 @@ class CpuAttentionKernels:
         lib.paged_attention_dtypes.restype = _int
         mask = lib.paged_attention_dtypes()
         self.dtypes = {dt for dt, code in DTYPE_CODES.items() if mask >> code & 1}
+        lib.paged_attention_amx.restype = _int
+        lib.paged_attention_amx.argtypes = [_int]
         self._lib = lib
+
+    def amx(self, on: int = -1) -> bool:
+        """Whether bf16 prefill attention runs its products on AMX tiles (kernels/cpu/attention_amx.h);
+        on = 1 / 0 switches it (the tests compare both paths)."""
+        return bool(self._lib.paged_attention_amx(on))
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> int:
         """key/value [tokens, kv_heads, hd] with contiguous rows, caches contiguous and of the same
