@@ -21,6 +21,13 @@ inline bool amx_permitted() {
   return ok;
 }
 
+// A kernel's exported switch for its tile path: `on` = 1 or 0 sets `flag` (the tests compare the
+// paths), -1 only asks; 1 when the tiles will be used.
+inline int amx_switch(bool& flag, int on) {
+  if (on >= 0) flag = on != 0;
+  return flag && amx_permitted() ? 1 : 0;
+}
+
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;

@@ -311,11 +311,9 @@ bool g_use_amx = true;
 // was built without AMX or the kernel refuses the process its tile state.
 PR_EXPORT int packed_gemm_amx(int on) {
 #ifdef PR_HAVE_AMX
-  if (on >= 0) g_use_amx = on != 0;
-  return g_use_amx && amx_permitted() ? 1 : 0;
+  return amx_switch(g_use_amx, on);
 #else
-  (void)on;
-  return 0;
+  return (void)on, 0;
 #endif
 }
 

@@ -924,18 +924,15 @@ PR_EXPORT int paged_reshape_and_cache(const void* key, const void* value, void* 
   return 0;
 }
 
-// dtype codes this build supports, as a bit mask (1 << code).
 // Whether bf16 prefill attention runs its products on AMX tiles (attention_amx.h): `on` = 1 or 0 sets
-// it (the tests compare both paths), -1 only asks. 0 where the build has no AMX or the kernel refuses
-// the process its tile state.
+// it, -1 only asks. 0 where the build has no AMX or the kernel refuses the process its tile state.
 PR_EXPORT int paged_attention_amx(int on) {
 #ifdef PR_ATTENTION_AMX
-  if (on >= 0) g_attention_amx = on != 0;
-  return g_attention_amx && amx_permitted() ? 1 : 0;
+  return amx_switch(g_attention_amx, on);
 #else
-  (void)on;
-  return 0;
+  return (void)on, 0;
 #endif
 }
 
+// dtype codes this build supports, as a bit mask (1 << code).
 PR_EXPORT int paged_attention_dtypes() { return (1 << kFloat32) | (1 << kBFloat16) | (PR_HAVE_F16 << kFloat16); }
