@@ -33,6 +33,7 @@
 #include <omp.h>
 #endif
 
+#include "amx_tiles.h"  // (its system headers here, outside the namespace; empty without AMX)
 #include "simd.h"  // vgf: kVec floats (16 with AVX-512, else 8), on top of vec8.h
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
@@ -74,64 +75,7 @@ template <> inline BF16 from_f32<BF16>(float x) {
 template <> inline F16 from_f32<F16>(float x) { return F16(x); }
 #endif
 
-// ---- how cache rows are read (issue 18): as the query's type, or quantized codes widened to fp32 ----
-// A reader widens one row of hd elements (cache slot `slot`, kv head `h`) into fp32. Plain readers
-// of fp32 caches are never called: the kernel reads those rows in place.
-enum KvKind : int { kKvPlain = 0, kKvFp8 = 1, kKvInt8 = 2 };
-
-template <typename T>
-struct PlainKv {
-  using E = T;
-  // fp32 and bf16 rows are read in place (bf16 widened in registers by Vec::load); fp16 through widen().
-  static constexpr bool kInPlace = std::is_same<T, float>::value || std::is_same<T, BF16>::value;
-  void widen(const E* src, float* dst, int64_t hd, int64_t, int64_t) const {
-    for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]);
-  }
-};
-
-// fp8 (e4m3fn or e5m2). aux: 256 floats (each code's value times the layer's scale), then the
-// multiplier and the format (0 e4m3fn, 1 e5m2) for the F16C path: an e5m2 code is the top byte of
-// an fp16, and e4m3fn's seven magnitude bits placed at an fp16's bit 7 are an fp16 of its value
-// x 2^-8, subnormals included (its NaN code, S.1111.111, is made an fp16 NaN); vcvtph2ps then
-// widens 8 at a time.
-struct Fp8Kv {
-  using E = uint8_t;
-  static constexpr bool kInPlace = false;
-  const float* aux;
-  void widen(const E* src, float* dst, int64_t hd, int64_t, int64_t) const {
-#if defined(__F16C__)
-    const __m256 mult = _mm256_set1_ps(aux[256]);
-    const bool e5m2 = aux[257] != 0.0f;
-    for (int64_t d = 0; d < hd; d += 8) {
-      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
-      __m128i h;
-      if (e5m2) {
-        h = _mm_slli_epi16(b, 8);
-      } else {
-        const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
-        h = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                      _mm_slli_epi16(mag, 7)), nan);  // the NaN code stays NaN
-      }
-      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), mult));
-    }
-#else
-    for (int64_t d = 0; d < hd; ++d) dst[d] = aux[src[d]];
-#endif
-  }
-};
-
-// int8: code x the row's scale; scales [num_blocks * block_size, num_kv_heads] beside the cache.
-struct Int8Kv {
-  using E = int8_t;
-  static constexpr bool kInPlace = false;
-  const float* scales;
-  int64_t num_kv_heads;
-  void widen(const E* src, float* dst, int64_t hd, int64_t slot, int64_t h) const {
-    const float s = scales[slot * num_kv_heads + h];
-    for (int64_t d = 0; d < hd; ++d) dst[d] = float(src[d]) * s;
-  }
-};
+#include "attention_kv_readers.h"  // PlainKv, Fp8Kv, Int8Kv: how cache rows are widened
 
 typedef float v4f __attribute__((vector_size(16)));
 typedef float v4fu __attribute__((vector_size(16), aligned(4), may_alias));
@@ -441,109 +385,8 @@ inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m
   }
 }
 
-#include "attention_amx.h"  // PR_ATTENTION_AMX: the same on AMX tiles (bf16)
-
-// ---- prefill: many tokens against the same keys ----
-//
-// The tokens of a prefill item that see a chunk take it together: the chunk's K transposed once
-// into fp32 kt [hd][kKeysPerChunk] (V widened once into fp32 rows), so a row's scores are up to
-// kKeysPerChunk / kVec vectors of FMAs over d, broadcasting q: up to kQkAcc rows share each kt load
-// and no lane has to be folded and summed across (per key and row, that horizontal sum cost as much
-// as the dot product itself). A token near the diagonal sees only the chunk's first keys: its other
-// scores become -inf. Then softmax per row and V in passes of kMaxGroupRows rows, any rows.
-constexpr int kQkAcc = kVec == 16 ? 24 : 12;  // accumulator registers: of AVX-512's 32, of AVX2's 16;
-                                              // also the most rows of a pass (one vector of keys)
-
-// Scores s[r][0:NV * kVec] = q[r] . kt[:, c] for RB rows (q rows hd apart, s rows kKeysPerChunk
-// apart); kt's columns past the chunk's keys are zero.
-template <int RB, int NV, int HD>
-inline void qk_tile(const float* __restrict q, int64_t hd_rt, const float* __restrict kt, float* __restrict s) {
-  // HD: the head size when it is a common one, known when compiling so that the RB query rows are
-  // one pointer and constant offsets (24 row pointers spilled); 0: hd_rt. (Unrolled by hand-set
-  // pragmas: left to itself g++ kept 24 accumulators on the stack.)
-  const int64_t hd = HD ? HD : hd_rt;
-  vgf acc[RB][NV];
-#pragma GCC unroll 32
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = vgf{};
-  for (int64_t d = 0; d < hd; ++d) {
-    vgf kv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) kv[v] = load_v(kt + d * kKeysPerChunk + v * kVec);
-#pragma GCC unroll 32
-    for (int r = 0; r < RB; ++r) {
-      const vgf qb = broadcast_v(q[r * hd + d]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = fma_v(qb, kv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 32
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store_v(s + r * kKeysPerChunk + v * kVec, acc[r][v]);
-}
-
-template <int RB, int NV>
-inline void qk_tile_rows(int rb, const float* q, int64_t hd, const float* kt, float* s) {
-  if constexpr (RB > 1) {
-    if (rb < RB) return qk_tile_rows<RB - 1, NV>(rb, q, hd, kt, s);
-  }
-  switch (hd) {
-    case 64: return qk_tile<RB, NV, 64>(q, hd, kt, s);
-    case 128: return qk_tile<RB, NV, 128>(q, hd, kt, s);
-    default: qk_tile<RB, NV, 0>(q, hd, kt, s);
-  }
-}
-
-// Scores of rows [r, r1) for NV vectors of keys, kQkAcc / NV rows per pass; returns rows done.
-template <int NV>
-inline int qk_pass(int64_t r, int64_t r1, const float* qf, int64_t hd, const float* kt, float* s) {
-  constexpr int RB = kQkAcc / NV;
-  const int rb = int(std::min<int64_t>(RB, r1 - r));
-  qk_tile_rows<RB, NV>(rb, qf + r * hd, hd, kt, s + r * kKeysPerChunk);
-  return rb;
-}
-
-// The R-row weighted sum (R = 1..kMaxGroupRows) for rows of fp32 V.
-inline void weighted_rows(int rows, float* acc, int64_t hd, const float* p, const float* v, int64_t n,
-                          Prefetcher* pf) {
-  switch (rows) {
-    case 4: return weighted_sumR<4>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
-    case 3: return weighted_sumR<3>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
-    case 2: return weighted_sumR<2>(acc, hd, p, kKeysPerChunk, v, hd, n, hd, pf);
-    default: weighted_sum(acc, p, v, hd, n, hd, pf);
-  }
-}
-
-// Vectors of keys a pass scores for a chunk of n: 1, 2, or all of them (no 3-vector pass: with
-// 8-wide vectors 17-24 keys take the 4-vector one).
-inline int qk_vectors(int64_t n) {
-  const int nv = int((n + kVec - 1) / kVec);
-  return nv <= 2 ? nv : kKeysPerChunk / kVec;
-}
-
-// Rows [r0, r1) of an item against a chunk's n keys: kt (transposed K), vf (V rows, fp32). Row r
-// belongs to token t = t0 + (r - r0) / group, which sees the chunk's first min(n, vis + t) keys (at
-// least one): the scores of the keys past those become -inf, so they weigh 0 in its softmax and in V.
-// nv: vectors of keys to score (qk_vectors(n)); kt holds zeros in its columns [n, nv * kVec).
-inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, const float* qf,
-                              float* s, float* acc, float* m, float* l, float* p, const float* kt, const float* vf,
-                              int64_t n, int nv, int64_t hd, Prefetcher* pf) {
-  for (int64_t r = r0; r < r1;) {
-    const int rb = nv == 1   ? qk_pass<1>(r, r1, qf, hd, kt, s)
-                   : nv == 2 ? qk_pass<2>(r, r1, qf, hd, kt, s)
-                             : qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
-    for (int j = 0; j < rb; ++j) {
-      float* sr = s + (r + j) * kKeysPerChunk;
-      for (int64_t c = std::min<int64_t>(n, vis + t0 + (r + j - r0) / group); c < n; ++c) sr[c] = -__builtin_inff();
-      softmax_chunk(sr, n, hd, m[r + j], l[r + j], acc + (r + j) * hd, p + j * kKeysPerChunk);
-    }
-    for (int j = 0; j < rb; j += kMaxGroupRows)
-      weighted_rows(std::min(kMaxGroupRows, rb - j), acc + (r + j) * hd, hd, p + j * kKeysPerChunk, vf, n, pf);
-    r += rb;
-  }
-}
+#include "attention_prefill.h"  // attend_rows_tiled: many tokens against the same keys, on FMAs
+#include "attention_amx.h"      // PR_ATTENTION_AMX: the same on AMX tiles (bf16)
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride;
