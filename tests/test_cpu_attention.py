@@ -367,8 +367,6 @@ AMX_CASES = [
 
 @pytest.mark.parametrize("case_args", AMX_CASES)
 def test_bf16_prefill_on_tiles_and_off_match_float64(kern, case_args):
-    if torch.bfloat16 not in kern.dtypes:
-        pytest.skip("bf16 not supported by this build")
     seqs, block_size, heads, kv_heads, head_dim = case_args
     had = kern.amx()
     outs = []
@@ -384,12 +382,6 @@ def test_bf16_prefill_on_tiles_and_off_match_float64(kern, case_args):
 
 
 def test_amx_is_used_where_the_cpu_has_it(kern):
-    flags = set(open("/proc/cpuinfo").read().split()) if platform_is_linux() else set()
-    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags or "-mamx-tile" not in machine_flags():
+    if "-mamx-tile" not in machine_flags():
         pytest.skip("no AMX on this CPU (or PAGEDRUN_KERNEL_ISA rules it out)")
     assert kern.amx()
-
-
-def platform_is_linux() -> bool:
-    import sys
-    return sys.platform.startswith("linux")

@@ -43,14 +43,11 @@ struct AmxChunk {
   // n keys (key c's K and V rows at kr[c], vr[c]) in tile layout, zeros past n.
   void pack(const uint16_t* const* kr, const uint16_t* const* vr, int64_t n, int64_t hd) {
     const int64_t words = hd / 2;
-    for (int64_t c = 0; c < kKeysPerChunk; ++c) {
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(kr[c < n ? c : 0]);
-      if (c < n)
-        for (int64_t w = 0; w < words; ++w) kt[w * kKeysPerChunk + c] = k[w];
-      else
-        for (int64_t w = 0; w < words; ++w) kt[w * kKeysPerChunk + c] = 0u;
-    }
     static const uint16_t zeros[kAmxMaxHead] = {};
+    for (int64_t c = 0; c < kKeysPerChunk; ++c) {
+      const uint32_t* k = reinterpret_cast<const uint32_t*>(c < n ? kr[c] : zeros);
+      for (int64_t w = 0; w < words; ++w) kt[w * kKeysPerChunk + c] = k[w];
+    }
     for (int64_t pr = 0; pr < kKeysPerChunk / 2; ++pr) {
       const int64_t c0 = 2 * pr, c1 = 2 * pr + 1;
       const uint16_t* v0 = c0 < n ? vr[c0] : zeros;

@@ -425,10 +425,11 @@ struct Scratch {
 };
 
 // Rows of an item: r = ((h - kv0) * ntok + t) * group + g is token tok0 + t, query head h * group + g.
+// tiles: this thread's AMX tiles are configured (run_items), and a prefill item runs on them.
 template <typename T, typename KV>
 void attend_item(const Item& it, T* out, const T* query, const typename KV::E* key_cache,
                  const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, Scratch& sc,
-                 const KV& kr, const KV& vr) {
+                 const KV& kr, const KV& vr, bool tiles) {
   using E = typename KV::E;
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
   const int64_t head_rows = it.ntok * group;  // rows per kv head
@@ -442,19 +443,11 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   float* __restrict s = sc.s.data();
   float* __restrict p = sc.p.data();
 
-  // Scale folded into q.
-  for (int64_t h = it.kv0; h < it.kv1; ++h)
-    for (int64_t t = 0; t < it.ntok; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = query + (it.tok0 + t) * sh.q_stride + (h * group + g) * hd;
-        float* dst = qf + (((h - it.kv0) * it.ntok + t) * group + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]) * sh.scale;
-      }
-#ifndef PR_ATTENTION_AMX
-  constexpr bool amx = false;
-#else
-  const bool amx = it.ntok >= 2 && attention_amx_usable<T, KV>(hd);
+  // The item's q rows: bf16 as they are for the tiles (which scale the scores), else fp32 with the
+  // scale folded in.
+  const bool amx = tiles && it.ntok >= 2;
   if (amx) {
+#ifdef PR_ATTENTION_AMX
     if (!sc.chunk) sc.chunk.reset(new AmxChunk);
     sc.qb.assign((rows + 16) * hd, 0);
     for (int64_t h = it.kv0; h < it.kv1; ++h)
@@ -463,8 +456,16 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           const T* src = query + (it.tok0 + t) * sh.q_stride + (h * group + g) * hd;
           std::memcpy(sc.qb.data() + (((h - it.kv0) * it.ntok + t) * group + g) * hd, src, hd * 2);
         }
-  }
 #endif
+  } else {
+    for (int64_t h = it.kv0; h < it.kv1; ++h)
+      for (int64_t t = 0; t < it.ntok; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = query + (it.tok0 + t) * sh.q_stride + (h * group + g) * hd;
+          float* dst = qf + (((h - it.kv0) * it.ntok + t) * group + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = to_f32(src[d]) * sh.scale;
+        }
+  }
   std::fill(acc, acc + rows * hd, 0.0f);
   std::fill(m, m + rows, -__builtin_inff());
   std::fill(l, l + rows, 0.0f);
@@ -472,87 +473,88 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   // Bytes of one chunk row this item reads: its heads' slice of a cache row.
   const int64_t slice_off = it.kv0 * hd, slice_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(E);
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
-#ifdef PR_ATTENTION_AMX
   if (amx) {
+#ifdef PR_ATTENTION_AMX
     attend_chunks_amx(it, key_cache, value_cache, table, tok_stride, sh.block_size, group, hd, sh.scale,
                       sc.qb.data(), s, acc, m, l, *sc.chunk);
-  }
 #endif
-  for (int64_t p0 = amx ? end : 0; p0 < end;) {
-    const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
-    const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
-    const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
-    // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
-    // this one computes, a line at a time from inside its loops (Prefetcher above); what they did
-    // not reach is asked for at the chunk's end.
-    Prefetcher pf;
-    if (p0 + n < end) {
-      const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
-      const int64_t nrow0 = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + slice_off;
-      pf.k = reinterpret_cast<const char*>(key_cache + nrow0);
-      pf.v = reinterpret_cast<const char*>(value_cache + nrow0);
-      pf.stride = tok_stride * (int64_t)sizeof(E);
-      pf.bytes = slice_bytes;
-      pf.rows = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
-      // Steps the loops below will take for this chunk: per kv head and pass of up to kMaxGroupRows
-      // rows, one per 4 keys scored and one per key summed (a little less for a lone row).
-      const int64_t passes = (it.kv1 - it.kv0) * it.ntok * ((group + kMaxGroupRows - 1) / kMaxGroupRows);
-      const int64_t steps = passes * (n / 4 + n), lines = pf.rows * ((slice_bytes + 63) / 64);
-      pf.per_step = int(steps > 0 ? (lines + steps - 1) / steps : 1);
-    }
-    for (int64_t h = it.kv0; h < it.kv1; ++h) {
-      const int64_t base = row0 + h * hd;
-      // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
-      // together (attend_rows_tiled) when there are two or more, else one at a time. kp / vp: the
-      // chunk's K and V rows, kstride elements apart, float or bf16 (or fp32 widened into scratch).
-      const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
-      const bool tiled = it.ntok - t_vis >= 2;
-      const int64_t t_alone = tiled ? 0 : it.ntok;
-      auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
-        if (tiled) {
-          // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
-          float* kt = sc.kt.data();
-          float* vf = sc.v.data();
-          const int nv = qk_vectors(n);
-          for (int64_t c = 0; c < n; ++c)
-            for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(kp[c * kstride + d]);
-          for (int64_t d = 0; d < hd; ++d)
-            for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
-          if constexpr (KV::kInPlace)
-            for (int64_t c = 0; c < n; ++c)
-              for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
-          const int64_t r0 = (h - it.kv0) * head_rows;
-          attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
-                            n, nv, hd, &pf);
-        }
-        for (int64_t t = 0; t < t_alone; ++t) {
-          const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
-          if (nr <= 0) continue;
-          int64_t r = (h - it.kv0) * head_rows + t * group;
-          // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
-          for (const int64_t r_end = r + group; r < r_end;) {
-            const int rows = int(std::min<int64_t>(kMaxGroupRows, r_end - r));
-            attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp, vp, kstride,
-                        nr, hd, &pf);
-            r += rows;
-          }
-        }
-      };
-      if constexpr (KV::kInPlace) {
-        attend_chunk(key_cache + base, value_cache + base, tok_stride);
-      } else {
-        float* kb = sc.k.data();
-        float* vb = sc.v.data();
-        const int64_t slot0 = (int64_t)table[blk] * sh.block_size + off;
-        for (int64_t c = 0; c < n; ++c) {
-          kr.widen(key_cache + base + c * tok_stride, kb + c * hd, hd, slot0 + c, h);
-          vr.widen(value_cache + base + c * tok_stride, vb + c * hd, hd, slot0 + c, h);
-        }
-        attend_chunk(static_cast<const float*>(kb), static_cast<const float*>(vb), hd);
+  } else {
+    for (int64_t p0 = 0; p0 < end;) {
+      const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
+      const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
+      const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
+      // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
+      // this one computes, a line at a time from inside its loops (Prefetcher above); what they did
+      // not reach is asked for at the chunk's end.
+      Prefetcher pf;
+      if (p0 + n < end) {
+        const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
+        const int64_t nrow0 = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + slice_off;
+        pf.k = reinterpret_cast<const char*>(key_cache + nrow0);
+        pf.v = reinterpret_cast<const char*>(value_cache + nrow0);
+        pf.stride = tok_stride * (int64_t)sizeof(E);
+        pf.bytes = slice_bytes;
+        pf.rows = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
+        // Steps the loops below will take for this chunk: per kv head and pass of up to kMaxGroupRows
+        // rows, one per 4 keys scored and one per key summed (a little less for a lone row).
+        const int64_t passes = (it.kv1 - it.kv0) * it.ntok * ((group + kMaxGroupRows - 1) / kMaxGroupRows);
+        const int64_t steps = passes * (n / 4 + n), lines = pf.rows * ((slice_bytes + 63) / 64);
+        pf.per_step = int(steps > 0 ? (lines + steps - 1) / steps : 1);
       }
+      for (int64_t h = it.kv0; h < it.kv1; ++h) {
+        const int64_t base = row0 + h * hd;
+        // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
+        // together (attend_rows_tiled) when there are two or more, else one at a time. kp / vp: the
+        // chunk's K and V rows, kstride elements apart, float or bf16 (or fp32 widened into scratch).
+        const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
+        const bool tiled = it.ntok - t_vis >= 2;
+        const int64_t t_alone = tiled ? 0 : it.ntok;
+        auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
+          if (tiled) {
+            // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
+            float* kt = sc.kt.data();
+            float* vf = sc.v.data();
+            const int nv = qk_vectors(n);
+            for (int64_t c = 0; c < n; ++c)
+              for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(kp[c * kstride + d]);
+            for (int64_t d = 0; d < hd; ++d)
+              for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
+            if constexpr (KV::kInPlace)
+              for (int64_t c = 0; c < n; ++c)
+                for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
+            const int64_t r0 = (h - it.kv0) * head_rows;
+            attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
+                              n, nv, hd, &pf);
+          }
+          for (int64_t t = 0; t < t_alone; ++t) {
+            const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
+            if (nr <= 0) continue;
+            int64_t r = (h - it.kv0) * head_rows + t * group;
+            // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
+            for (const int64_t r_end = r + group; r < r_end;) {
+              const int rows = int(std::min<int64_t>(kMaxGroupRows, r_end - r));
+              attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp, vp, kstride,
+                          nr, hd, &pf);
+              r += rows;
+            }
+          }
+        };
+        if constexpr (KV::kInPlace) {
+          attend_chunk(key_cache + base, value_cache + base, tok_stride);
+        } else {
+          float* kb = sc.k.data();
+          float* vb = sc.v.data();
+          const int64_t slot0 = (int64_t)table[blk] * sh.block_size + off;
+          for (int64_t c = 0; c < n; ++c) {
+            kr.widen(key_cache + base + c * tok_stride, kb + c * hd, hd, slot0 + c, h);
+            vr.widen(value_cache + base + c * tok_stride, vb + c * hd, hd, slot0 + c, h);
+          }
+          attend_chunk(static_cast<const float*>(kb), static_cast<const float*>(vb), hd);
+        }
+      }
+      pf.drain();
+      p0 += n;
     }
-    pf.drain();
-    p0 += n;
   }
 
   for (int64_t h = it.kv0; h < it.kv1; ++h)
@@ -574,19 +576,24 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const typename 
   if (num_threads > 1)
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t count = (int64_t)items.size();
+  // AMX for this call's prefill items (tiles: configured per thread below), where they can take it.
+  bool tiles = false;
+#ifdef PR_ATTENTION_AMX
+  tiles = attention_amx_usable<T, KV>(sh.head_size) &&
+          std::any_of(items.begin(), items.end(), [](const Item& it) { return it.ntok >= 2; });
+#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && count > 1)
   {
     Scratch sc;
     sc.reserve(max_rows, sh.head_size);
 #ifdef PR_ATTENTION_AMX
-    const bool amx = attention_amx_usable<T, KV>(sh.head_size);
-    if (amx) amx_configure();  // per thread
+    if (tiles) amx_configure();  // per thread
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i)
-      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr);
+      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr, tiles);
 #ifdef PR_ATTENTION_AMX
-    if (amx) _tile_release();
+    if (tiles) _tile_release();
 #endif
   }
 }

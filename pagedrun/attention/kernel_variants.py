@@ -21,8 +21,7 @@ PARTITION_SIZE = 512
 # row once for all of them. Up to 8 (Llama 3 70B's 64/8; Qwen2's 7): register use grows with it.
 MAX_GROUP = 8
 # A quantized cache's grouped kernels: 16 one-byte elements per value load times the group's heads
-# are fp32 accumulators (nvcc 13, sm_90: 120-128 registers at 4, 211-255 at 8). Compiled and tested,
-# launched only where asked for (group_for keeps 1 until a GPU has timed them against one head).
+# are fp32 accumulators (nvcc 13, sm_90: 120-128 registers at 4, 211-255 at 8).
 MAX_QUANTIZED_GROUP = 4
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
