@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 
 from pagedrun.attention import scratch as S
 from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
-from pagedrun.kv.profiler import CpuReadings, CudaReadings, PeakRSS, cpu_profile, cuda_profile, profile_batch, rss_bytes
+from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import read_config
 from pagedrun.recipe import CacheConfig
@@ -275,37 +274,55 @@ def test_profile_batch():
 
 # ---------------------------------------------------------------- real runs
 
-# Stated in docs/memory.md: engine objects made after the profile, allocator slack. Measured on the
-# Xeon (2026-11-26), C++ kernel (no gather): 2-14 MiB in 24 runs alone (8 beside two CPU hogs),
-# 24.6 MiB in 2 of 28, and 35.7 MiB once inside the whole suite (a heap other tests used first);
-# still under the 64 MiB cache, so a cache left uncounted fails.
+# Stated in docs/memory.md: engine objects made after the profile, allocator slack. The run has a
+# process of its own, as a user's has: inside the whole suite the heap other tests left behind
+# moved the overshoot to 35.7 MiB once and 50.1 MiB once (CI, 2026-11-26), a property of the test
+# process, not of the plan. Measured on the Xeon (2026-11-26), fresh process, C++ kernel (no gather):
+# -0.7 to 24.1 MiB in 30 runs (2.7-7.1 in the 12 beside two CPU hogs); still under the 64 MiB cache,
+# so a cache left uncounted fails.
 TOLERANCE = 48 * MiB
+
+_FILL_RUN = """
+import json, random, sys
+from pagedrun.engine.llm import LLM
+from pagedrun.kv.profiler import PeakRSS, rss_bytes
+from pagedrun.sampling_params import SamplingParams
+
+llm = LLM(None, [f"model.path={sys.argv[1]}", "model.threads=1", "cache.kv_cache_memory=64MiB",
+                 "scheduler.max_num_seqs=24", "scheduler.max_num_batched_tokens=512"])
+m = llm.engine.memory
+rng = random.Random(0)
+prompts = [[rng.randrange(3, 1024) for _ in range(112)] for _ in range(32)]  # 8 blocks each at the end
+start = rss_bytes()
+with PeakRSS() as run:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+print(json.dumps(dict(
+    block_bytes=m.block_bytes, num_gpu_blocks=m.num_gpu_blocks, capped=m.capped_to_blocks,
+    method=m.profile.method, profile_peak=m.profile.peak_in_use_bytes, gather=m.decode_gather_bytes,
+    kv=m.kv_cache_bytes, peak=run.peak, growth=rss_bytes() - start,
+    lengths=[len(o.outputs[0].token_ids) for o in outs],
+    max_blocks_in_use=max(s.blocks_in_use for s in llm.engine.steps),
+    gathers=llm.engine.backend.load_cpu_kernel() is None)))
+"""
 
 
 def test_filled_cache_stays_within_budget(wide_model):
     """Peak RSS while every computed block holds KV
     <= weights + outside torch + activation peak + decode gather estimate + KV cache + 48 MiB."""
-    from pagedrun.engine.llm import LLM
-    from pagedrun.sampling_params import SamplingParams
-
-    llm = LLM(None, [f"model.path={wide_model}", "model.threads=1", "cache.kv_cache_memory=64MiB",
-                     "scheduler.max_num_seqs=24", "scheduler.max_num_batched_tokens=512"])
-    m = llm.engine.memory
-    assert m.block_bytes == 2 * 4 * 8 * 128 * 16 * 4 and m.num_gpu_blocks == 128 and not m.capped_to_blocks
-    assert m.profile.method.startswith("VmHWM")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1024) for _ in range(112)] for _ in range(32)]  # 8 blocks each at the end
-    start = rss_bytes()
-    with PeakRSS() as run:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
-    assert max(s.blocks_in_use for s in llm.engine.steps) == m.num_gpu_blocks  # filled
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FILL_RUN, str(wide_model)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["block_bytes"] == 2 * 4 * 8 * 128 * 16 * 4 and r["num_gpu_blocks"] == 128 and not r["capped"]
+    assert r["method"].startswith("VmHWM")
+    assert r["lengths"] == [16] * 32
+    assert r["max_blocks_in_use"] == r["num_gpu_blocks"]  # filled
     # The C++ CPU kernel reads K/V in place; only the pure-torch decode path copies them.
-    gathers = llm.engine.backend.load_cpu_kernel() is None
-    assert (m.decode_gather_bytes > 0) == gathers
-    assert run.peak <= m.profile.peak_in_use_bytes + m.decode_gather_bytes + m.kv_cache_bytes + TOLERANCE
+    assert (r["gather"] > 0) == r["gathers"]
+    assert r["peak"] <= r["profile_peak"] + r["gather"] + r["kv"] + TOLERANCE
     # Writing every block commits the cache's pages: the growth is real, not a bookkeeping number.
-    assert rss_bytes() - start >= 0.9 * m.kv_cache_bytes
+    assert r["growth"] >= 0.9 * r["kv"]
 
 
 def _cli(*args, cwd: Path) -> subprocess.CompletedProcess:
