@@ -52,6 +52,10 @@ def main() -> None:
         return wrapper
 
     eng = llm.engine
+    # The stages are timed in the Python layer loop; the layer runner (models/layer_runner.py) makes
+    # the same kernel calls from C, where no wrapper sees them, so it is off here. Without it the
+    # loop's own Python shows up as the model step's unattributed part.
+    eng.model.layer_runner = None
     eng.scheduler.schedule = timed("scheduler", eng.scheduler.schedule)
     eng.runner.build_metadata = timed("metadata", eng.runner.build_metadata)
     eng.sampler.__class__.__call__ = timed("sampler", eng.sampler.__class__.__call__)

@@ -74,6 +74,11 @@ class CpuAttentionKernels:
         lib.paged_attention_amx.argtypes = [_int]
         self._lib = lib
 
+    def functions(self) -> dict[str, ctypes._CFuncPtr]:
+        """The exported C functions, for a caller that calls them from C (models/layer_runner.py)."""
+        return {"reshape_and_cache": self._lib.paged_reshape_and_cache, "decode": self._lib.paged_attention_decode,
+                "varlen": self._lib.paged_attention_varlen}
+
     def amx(self, on: int = -1) -> bool:
         """Whether bf16 prefill attention runs its products on AMX tiles (kernels/cpu/attention_amx.h);
         on = 1 / 0 switches it (the tests compare both paths)."""

@@ -140,6 +140,19 @@ class TorchAttentionBackend:
         meta = dataclasses.replace(meta, block_tables=renumbered.to(torch.int32), backend_state={})
         return kc, vc, meta
 
+    def plain_cpu_kernels(self, dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor
+                          ) -> cpu_kernels.CpuAttentionKernels | None:
+        """The C++ kernels where forward() would run them on a `dtype` query over an unquantized
+        cache (the CPU layer runner calls them itself, pagedrun/models/layer_runner.py), else None."""
+        if self.quantized or self.use_cpu_kernel is False or key_cache.device.type != "cpu":
+            return None
+        kern = self.load_cpu_kernel()
+        if kern is None or dtype not in kern.dtypes or not key_cache.dtype == value_cache.dtype == dtype:
+            return None
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.shape[3] % 8:
+            return None
+        return kern
+
     def _usable_kernel(self, query, key_cache, value_cache) -> cpu_kernels.CpuAttentionKernels | None:
         if self.use_cpu_kernel is False or query.device.type != "cpu":
             return None

@@ -25,6 +25,7 @@ from pagedrun.attention.backend import AttentionBackend
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
+from pagedrun.models.layer_runner import LayerRunner
 from pagedrun.models.config import ModelConfig
 
 
@@ -257,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         self.rotary_emb = RotaryEmbedding(config).to(device)
+        self.layer_runner: LayerRunner | None = None  # set once the weights are packed
 
     # no_grad, not inference_mode: inference tensors cannot be modified in place later (the
     # sampler may scale logits in place), and the KV caches are allocated outside this call.
@@ -271,8 +273,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
         h, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta, backend)
+        # The same layers in one C call where every op would run its CPU kernel (layer_runner.py).
+        done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, meta, backend)
+        if done:
+            h, residual = done
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta, backend)
         return self.model.norm(h, residual)[0]
 
     @torch.no_grad()
@@ -298,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
             packed = ops.pack_weight(embed.weight.data)
             if packed is not None:
                 embed.weight.data = packed
+        self.layer_runner = LayerRunner.for_model(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""

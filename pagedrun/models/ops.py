@@ -81,6 +81,11 @@ def load() -> CpuModelOps | None:
     return lib
 
 
+def kernels_enabled() -> bool:
+    """False inside torch_only() or after set_enabled(False)."""
+    return _enabled
+
+
 def set_enabled(enabled: bool) -> None:
     global _enabled
     _enabled = enabled

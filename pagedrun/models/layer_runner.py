@@ -1,0 +1,205 @@
+"""The decoder layers of a step in one C call on the CPU (kernels/cpu/layer_runner_cpu.cpp).
+
+The Python loop in llama.py calls a C++ kernel for every op of every layer, and pays for it
+between the calls: argument checks, ctypes conversions, tensor views and outputs. On 2 cores that
+is about 120 us a layer, 4 ms a decode step of a 30-layer model, 0.5 s of the default model's
+bench run (docs/cpu-model-ops.md, "Tenth round"). The runner makes the same kernel calls with the
+same arguments from C, so its results are the loop's bit for bit; it has no arithmetic of its own.
+
+It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in
+float32 or bfloat16 with packed weights (ops.pack_weight), no per-head q/k norm (Qwen3 takes the
+loop), an attention backend whose C++ kernel reads the cache unquantized, and no forward hook
+on a decoder layer (the layers are not called one by one here). Everything else,
+and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which stays the reference
+(tests/test_layer_runner.py compares the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from pagedrun import cpu_build
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.models import ops
+
+SOURCE = cpu_build.KERNEL_DIR / "layer_runner_cpu.cpp"
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+_ATTENTION_DTYPE = {torch.float32: 0, torch.bfloat16: 1}  # the attention kernel's codes
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("rms_norm", "linear", "linear_silu", "rope", "reshape_and_cache",
+                                          "decode", "varlen")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate", "block_size", "num_blocks", "max_pos", "elem_size")]
+    _fields_ += [("eps", _f32), ("scale", _f32), ("dtype_code", _i32), ("cos", _ptr), ("sin", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
+                                          "gate_up_b", "down_w", "down_b", "key_cache", "value_cache")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _i64), ("num_seqs", _i64), ("table_stride", _i64), ("decode_only", _i32),
+                ("threads", _i32)]
+    _fields_ += [(name, _ptr) for name in ("positions", "slot_mapping", "block_tables", "query_start_loc",
+                                           "seq_lens", "context_lens")]
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("residual", "h", "x", "qkv", "attn", "mid")]
+
+
+class _Library:
+    def __init__(self, so_path: Path) -> None:
+        lib = ctypes.CDLL(str(so_path))
+        lib.run_decoder_layers.restype = ctypes.c_int
+        lib.run_decoder_layers.argtypes = [_ptr] * 6
+        self.run = lib.run_decoder_layers
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> _Library | None:
+    """Build (once per machine and source) and load the runner; None where that fails or
+    PAGEDRUN_LAYER_RUNNER=0 (the Python loop then runs, as it always can)."""
+    return cpu_build.load("PAGEDRUN_LAYER_RUNNER", SOURCE, _Library)[0]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, _ptr).value
+
+
+def _ptr_of(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class LayerRunner:
+    """Runs model.model.layers for one step; `run` returns None where the Python loop must."""
+
+    def __init__(self, model, lib: _Library, ops_lib: ops.CpuModelOps) -> None:
+        cfg = model.config
+        self.model = model
+        self.dtype = model.dtype
+        self.lib = lib
+        self.ops_lib = ops_lib
+        attn = model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.hidden, self.intermediate = cfg.hidden_size, cfg.intermediate_size
+        self.scale = attn.scale
+        self.eps = cfg.rms_norm_eps
+        self._kv_key: tuple | None = None  # the caches the layer table was built for
+        self._layers = None
+        self._model_args = None
+        self._kernels = None
+        self._status = ctypes.c_int(0)
+
+    @classmethod
+    def for_model(cls, model) -> LayerRunner | None:
+        """A runner for a loaded model (weights packed), or None where it cannot apply."""
+        if model.dtype not in _ATTENTION_DTYPE or model.config.qk_norm:
+            return None
+        ops_lib = ops.load()
+        if ops_lib is None or load() is None:
+            return None
+        for layer in model.model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(lin.weight.device.type != "cpu" or lin.weight.dim() < 3 for lin in linears):
+                return None  # not packed: the kernels were off or refused the shapes
+        return cls(model, load(), ops_lib)
+
+    def _build(self, kv_caches, kern) -> None:
+        """The per-layer pointer table, the model's sizes and the kernels' addresses (once per cache)."""
+        linear = self.ops_lib.lib.linear_packed_bf16 if self.dtype == torch.bfloat16 else self.ops_lib.lib.linear_packed_f32
+        attention = kern.functions()
+        self._kernels = _Kernels(
+            _address(self.ops_lib.op("rms_norm", self.dtype)), _address(linear),
+            _address(self.ops_lib.op("linear_packed_silu", self.dtype)), _address(self.ops_lib.op("rope", self.dtype)),
+            _address(attention["reshape_and_cache"]), _address(attention["decode"]), _address(attention["varlen"]))
+        layers = (_Layer * len(kv_caches))()
+        for row, layer, (key_cache, value_cache) in zip(layers, self.model.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            row.input_norm, row.post_norm = _ptr_of(layer.input_layernorm.weight), _ptr_of(
+                layer.post_attention_layernorm.weight)
+            row.qkv_w, row.qkv_b = _ptr_of(attn.qkv_proj.weight), _ptr_of(attn.qkv_proj.bias)
+            row.o_w, row.o_b = _ptr_of(attn.o_proj.weight), _ptr_of(attn.o_proj.bias)
+            row.gate_up_w, row.gate_up_b = _ptr_of(mlp.gate_up_proj.weight), _ptr_of(mlp.gate_up_proj.bias)
+            row.down_w, row.down_b = _ptr_of(mlp.down_proj.weight), _ptr_of(mlp.down_proj.bias)
+            row.key_cache, row.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+        key_cache = kv_caches[0][0]
+        rotary = self.model.rotary_emb
+        self._model_args = _Model(
+            len(kv_caches), self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+            key_cache.shape[1], key_cache.shape[0], rotary.cos.shape[0], key_cache.element_size(),
+            self.eps, self.scale, _ATTENTION_DTYPE[self.dtype], rotary.cos.data_ptr(), rotary.sin.data_ptr())
+        self._layers = layers
+
+    def _usable(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, backend):
+        """The attention kernels when every op of this step would run its C++ kernel, else None."""
+        if not ops.kernels_enabled() or h.dtype != self.dtype or not h.is_cpu or h.dim() != 2:
+            return None
+        if _hooked(self.model.model.layers):
+            return None  # a forward hook on a decoder layer expects that layer's call
+        if not h.is_contiguous() or h.shape[0] == 0 or h.shape[0] != meta.num_tokens:
+            return None
+        plain = getattr(backend, "plain_cpu_kernels", None)
+        key_cache, value_cache = kv_caches[0][:2]
+        kern = plain(self.dtype, key_cache, value_cache) if plain is not None else None
+        if kern is None or len(kv_caches[0]) != 2:
+            return None
+        rotary = self.model.rotary_emb
+        # The RoPE kernel refuses positions past its table; the loop's torch fallback raises on them.
+        if meta.max_seq_len > rotary.cos.shape[0] or positions.dtype != torch.long or not positions.is_contiguous():
+            return None
+        return kern
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, backend):
+        """(h, residual) after the last layer, as the Python loop leaves them; None: run the loop."""
+        kern = self._usable(h, positions, kv_caches, meta, backend)
+        if kern is None:
+            return None
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), id(kern))
+        if key != self._kv_key:
+            self._build(kv_caches, kern)
+            self._kv_key = key
+        t, dtype = h.shape[0], self.dtype
+        residual = h  # the embeddings; the first layer's norm reads them, the later ones add to them
+        out = torch.empty(t, self.hidden, dtype=dtype)
+        x = torch.empty(t, self.hidden, dtype=dtype)
+        qkv = torch.empty(t, self.q_size + 2 * self.kv_size, dtype=dtype)
+        attn = torch.empty(t, self.q_size, dtype=dtype)
+        mid = torch.empty(t, self.intermediate, dtype=dtype)
+        tables = _int32(meta.block_tables)
+        starts, seq_lens, context_lens = _int32(meta.query_start_loc), _int32(meta.seq_lens), _int32(meta.context_lens)
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        step = _Step(t, meta.num_seqs, tables.shape[1], int(meta.is_decode_only and meta.num_seqs == t),
+                     torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                     starts.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr())
+        buffers = _Buffers(residual.data_ptr(), out.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                           mid.data_ptr())
+        where = self.lib.run(ctypes.byref(self._kernels), ctypes.byref(self._model_args), self._layers,
+                             ctypes.byref(step), ctypes.byref(buffers), ctypes.byref(self._status))
+        if where:
+            layer, stage = divmod(where - 1, 16)
+            raise RuntimeError(f"layer runner: layer {layer}, call {stage + 1} refused its arguments "
+                               f"(status {self._status.value}): a bug, please report it")
+        backend.last_path, backend.cpu_kernel_error = "cpu_kernel", None
+        return out, residual
+
+
+def _hooked(layers) -> bool:
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

@@ -1,0 +1,93 @@
+"""models/layer_runner.py (kernels/cpu/layer_runner_cpu.cpp): the decoder layers in one C call give
+the Python loop's logits bit for bit, on prefill, mixed and decode steps of every family it takes;
+it stands aside where it does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedrun.engine.llm import LLM
+from pagedrun.engine.model_runner import ModelInput
+from pagedrun.models import layer_runner, ops
+from tiny_models import FAMILIES, make_tiny_model
+
+pytestmark = pytest.mark.skipif(layer_runner.load() is None or ops.load() is None,
+                                reason="no C++ compiler for the CPU kernels")
+
+BLOCK = 16
+# Three sequences, each with three blocks of its own: a prefill step (varlen kernel), a step mixing
+# a prefill chunk with two decodes (varlen), then a decode-only step (decode kernel).
+STEPS = [
+    [(list(range(3, 8)), 0, [0, 1, 2]), (list(range(10, 27)), 0, [3, 4, 5]), (list(range(40, 73)), 0, [6, 7, 8])],
+    [([9], 5, [0, 1, 2]), (list(range(30, 34)), 17, [3, 4, 5]), ([11], 33, [6, 7, 8])],
+    [([12], 6, [0, 1, 2]), ([13], 21, [3, 4, 5]), ([14], 34, [6, 7, 8])],
+]
+
+
+def _engine(tmp_path, family: str, dtype: str):
+    path = make_tiny_model(family, tmp_path / family, seed=3)
+    return LLM(None, [f"model.path={path}", f"model.dtype={dtype}", "model.threads=2",
+                      f"cache.block_size={BLOCK}", "cache.num_blocks=32"]).engine
+
+
+class _Counting:
+    """Wraps the library's entry point to count the calls that reached C."""
+
+    def __init__(self, lib):
+        self.inner, self.calls = lib.run, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3"])
+def test_runner_gives_the_loops_logits(tmp_path, family, dtype):
+    eng = _engine(tmp_path, family, dtype)
+    runner = eng.model.layer_runner
+    assert runner is not None
+    counter = _Counting(runner.lib)
+    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
+    for n, step in enumerate(STEPS, 1):
+        inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in step]
+        fast = eng.runner.execute(inputs)
+        assert counter.calls == n and eng.backend.last_path == "cpu_kernel"
+        eng.model.layer_runner = None
+        try:
+            # The loop writes the same K/V into the same slots, then attends over them.
+            slow = eng.runner.execute(inputs)
+        finally:
+            eng.model.layer_runner = runner
+        assert counter.calls == n
+        assert fast.shape == (3, eng.model.config.vocab_size)
+        assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
+
+
+def test_runner_stands_aside(tmp_path, monkeypatch):
+    assert _engine(tmp_path, "qwen3", "float32").model.layer_runner is None  # per-head q/k norm
+    eng = _engine(tmp_path, "llama", "bfloat16")
+    runner = eng.model.layer_runner
+    counter = _Counting(runner.lib)
+    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
+    inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in STEPS[0]]
+    with ops.torch_only():  # the ops' torch path: the runner must not run the kernels behind its back
+        eng.runner.execute(inputs)
+    ran = []
+    hook = eng.model.model.layers[1].register_forward_hook(lambda *a: ran.append(1))
+    eng.runner.execute(inputs)  # a hooked layer must be called
+    hook.remove()
+    assert ran == [1]
+    monkeypatch.setattr(eng.backend, "use_cpu_kernel", False)
+    eng.runner.execute(inputs)
+    assert counter.calls == 0
+    monkeypatch.undo()
+    eng.runner.execute(inputs)
+    assert counter.calls == 1  # the same engine, nothing in the way: the runner again
+
+
+def test_runner_reports_a_refused_call(tmp_path):
+    eng = _engine(tmp_path, "llama", "float32")
+    inputs = [ModelInput([5, 6], 0, [999], sample=True)]  # a block far outside the 32-block cache
+    with pytest.raises(RuntimeError, match=r"layer runner: layer 0, call \d+ refused"):
+        eng.runner.execute(inputs)
