@@ -249,7 +249,7 @@ def test_silu_and_mul_matches_float64_including_extremes(kern):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 17, 64, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 17, 64, 300, 700])  # 700: several row chunks
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
     """The MLP's fused gate/up GEMM + SiLU * up (weights interleaved a panel at a time) gives the bits
