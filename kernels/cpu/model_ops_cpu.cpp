@@ -275,8 +275,15 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
   float* c = sums.data();
   alignas(64) float w[kKc * kPanel];
   const int64_t K = 2 * K2;
+  const int tiles = int((rows + kTileM - 1) / kTileM);
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+    // The next slice's pairs (past the last, the next panel's first: panels are contiguous; a
+    // prefetch past the weight's end is dropped), pulled in a share per tile while this slice's
+    // tiles compute, as packed_panel does for fp32: a pair row is a float row's 4 * kPanel bytes.
+    const float* next = reinterpret_cast<const float*>(panel + (k1 / 2) * kPanel);
+    const int64_t share = (kKc / 2 + tiles - 1) / tiles;
+    const int pf_every = int((k1 - k0 + share - 1) / share);
     for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
       const vgi w0 = load_vi(panel + p * kPanel), w1 = load_vi(panel + p * kPanel + kVec);
       float* r = w + (2 * p - k0) * kPanel;
@@ -285,10 +292,10 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
       store_v(r + kPanel, bf16_even(w0));
       store_v(r + kPanel + kVec, bf16_even(w1));
     }
-    for (int64_t m = 0; m < rows; m += kTileM) {
+    for (int64_t m = 0, t = 0; m < rows; m += kTileM, ++t) {
       const int mr = rows - m < kTileM ? int(rows - m) : kTileM;
       packed_tile_rows<kTileM>(mr, xs + m * ldx, ldx, w - k0 * kPanel, k0, k1, c + m * kPanel, kPanel, k0 == 0,
-                               nullptr, nullptr, 1);
+                               nullptr, next + t * share * kPanel, pf_every);
     }
   }
   for (int64_t m = 0; m < rows; ++m)
