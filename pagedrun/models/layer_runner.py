@@ -118,7 +118,8 @@ class LayerRunner:
 
     def _build(self, kv_caches, kern) -> None:
         """The per-layer pointer table, the model's sizes and the kernels' addresses (once per cache)."""
-        linear = self.ops_lib.lib.linear_packed_bf16 if self.dtype == torch.bfloat16 else self.ops_lib.lib.linear_packed_f32
+        lib = self.ops_lib.lib
+        linear = lib.linear_packed_bf16 if self.dtype == torch.bfloat16 else lib.linear_packed_f32
         attention = kern.functions()
         self._kernels = _Kernels(
             _address(self.ops_lib.op("rms_norm", self.dtype)), _address(linear),
