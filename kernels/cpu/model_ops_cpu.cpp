@@ -463,10 +463,8 @@ int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int
     if (positions[t] < 0 || positions[t] >= max_pos) return -2;
   if (num_threads < 1) num_threads = 1;
   const int64_t half = head_size / 2;
-#ifndef PR_ROPE_SPLIT
-#define PR_ROPE_SPLIT 16384
-#endif
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= PR_ROPE_SPLIT)
+  constexpr int64_t kSplit = 16384;  // elements from which both threads take part (measured)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= kSplit)
   for (int64_t t = 0; t < ntok; ++t) {
     const float* c = cos + positions[t] * half;
     const float* s = sin + positions[t] * half;

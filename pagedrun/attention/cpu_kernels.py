@@ -118,6 +118,13 @@ class CpuAttentionKernels:
         )
 
 
+def int_arg(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as the kernels take their integer arrays: `dtype`, on the CPU, contiguous (t itself when it
+    already is, as the metadata's tensors are on the CPU)."""
+    return t if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() else (
+        t.to("cpu", dtype).contiguous())
+
+
 _load_error: str | None = None
 
 

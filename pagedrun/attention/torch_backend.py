@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedrun.attention import cpu_kernels
+from pagedrun.attention.cpu_kernels import int_arg
 from pagedrun.kv import kv_quant
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
@@ -144,26 +145,28 @@ class TorchAttentionBackend:
                           ) -> cpu_kernels.CpuAttentionKernels | None:
         """The C++ kernels where forward() would run them on a `dtype` query over an unquantized
         cache (the CPU layer runner calls them itself, pagedrun/models/layer_runner.py), else None."""
-        if self.quantized or self.use_cpu_kernel is False or key_cache.device.type != "cpu":
+        if self.quantized:
             return None
-        kern = self.load_cpu_kernel()
-        if kern is None or dtype not in kern.dtypes or not key_cache.dtype == value_cache.dtype == dtype:
-            return None
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.shape[3] % 8:
-            return None
-        return kern
+        return self._kernel_for(dtype, key_cache.device, True, key_cache, value_cache)
 
     def _usable_kernel(self, query, key_cache, value_cache) -> cpu_kernels.CpuAttentionKernels | None:
-        if self.use_cpu_kernel is False or query.device.type != "cpu":
+        shape_ok = query.dim() == 3 and query.shape[2] == key_cache.shape[3]
+        return self._kernel_for(query.dtype, query.device, shape_ok, key_cache, value_cache)
+
+    def _kernel_for(self, dtype, device, shape_ok: bool, key_cache, value_cache
+                    ) -> cpu_kernels.CpuAttentionKernels | None:
+        """The kernels for a query of `dtype` on `device` (shape_ok: its shape fits the cache), or
+        None, with the reason in cpu_kernel_error where the kernel exists but cannot take it."""
+        if self.use_cpu_kernel is False or device.type != "cpu":
             return None
         kern = self.load_cpu_kernel()
         if kern is None:
             return None
-        plain = not self.quantized and query.dtype == key_cache.dtype == value_cache.dtype
-        if not (plain or self.quantized) or query.dtype not in kern.dtypes:
-            self.cpu_kernel_error = f"dtype {query.dtype} / cache {key_cache.dtype} not supported by the kernel"
+        plain = not self.quantized and dtype == key_cache.dtype == value_cache.dtype
+        if not (plain or self.quantized) or dtype not in kern.dtypes:
+            self.cpu_kernel_error = f"dtype {dtype} / cache {key_cache.dtype} not supported by the kernel"
             return None
-        if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
+        if not shape_ok:
             self.cpu_kernel_error = "query shape does not match the cache"
             return None
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.shape[3] % 8:
@@ -178,14 +181,15 @@ class TorchAttentionBackend:
         if query.stride(2) != 1 or query.stride(1) != head_size:
             query = query.contiguous()  # the kernel takes any token stride, not a head stride
         out = torch.empty(query.shape, dtype=query.dtype)
-        tables, seq_lens = _int32(meta.block_tables), _int32(meta.seq_lens)
+        tables, seq_lens = int_arg(meta.block_tables, torch.int32), int_arg(meta.seq_lens, torch.int32)
         threads = torch.get_num_threads()
         kv = cpu_kernels.kv_reader(self.kv_cache_dtype, k_scale, v_scale)
         if meta.is_decode_only and meta.num_seqs == query.shape[0]:
             rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads, kv)
         else:
-            rc = kern.varlen(out, query, key_cache, value_cache, tables, _int32(meta.query_start_loc), seq_lens,
-                             _int32(meta.context_lens), scale, threads, kv)
+            starts, context_lens = int_arg(meta.query_start_loc, torch.int32), int_arg(meta.context_lens, torch.int32)
+            rc = kern.varlen(out, query, key_cache, value_cache, tables, starts, seq_lens, context_lens, scale, threads,
+                             kv)
         if rc != 0:
             # Inconsistent metadata or a block id outside the cache: let the torch path have it
             # (it raises on what the kernel could only have crashed on).
@@ -288,7 +292,7 @@ def reshape_and_cache(
     With `kernels` (CPU tensors) the C++ scatter does it in one call, straight from strided K/V
     views; it checks every slot first and torch takes over if it refuses."""
     if kernels is not None and _scatter_ok(key, value, key_cache, value_cache, slot_mapping):
-        if kernels.reshape_and_cache(key, value, key_cache, value_cache, _int64(slot_mapping)) == 0:
+        if kernels.reshape_and_cache(key, value, key_cache, value_cache, int_arg(slot_mapping, torch.int64)) == 0:
             return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
@@ -316,12 +320,3 @@ def _scatter_ok(key, value, key_cache, value_cache, slot_mapping) -> bool:
         and key.stride(1) == value.stride(1) == hd
     )
 
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() else (
-        t.to("cpu", torch.int32).contiguous())
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() else (
-        t.to("cpu", torch.int64).contiguous())

@@ -23,6 +23,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from pagedrun import cpu_build
+from pagedrun.attention.cpu_kernels import int_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.models import ops
 
@@ -178,9 +179,9 @@ class LayerRunner:
         qkv = torch.empty(t, self.q_size + 2 * self.kv_size, dtype=dtype)
         attn = torch.empty(t, self.q_size, dtype=dtype)
         mid = torch.empty(t, self.intermediate, dtype=dtype)
-        tables = _int32(meta.block_tables)
-        starts, seq_lens, context_lens = _int32(meta.query_start_loc), _int32(meta.seq_lens), _int32(meta.context_lens)
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables, starts = int_arg(meta.block_tables, torch.int32), int_arg(meta.query_start_loc, torch.int32)
+        seq_lens, context_lens = int_arg(meta.seq_lens, torch.int32), int_arg(meta.context_lens, torch.int32)
+        slots = int_arg(meta.slot_mapping, torch.int64)
         step = _Step(t, meta.num_seqs, tables.shape[1], int(meta.is_decode_only and meta.num_seqs == t),
                      torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                      starts.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr())
@@ -201,6 +202,3 @@ def _hooked(layers) -> bool:
         return True
     return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
 
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

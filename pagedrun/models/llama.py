@@ -25,8 +25,8 @@ from pagedrun.attention.backend import AttentionBackend
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
-from pagedrun.models.layer_runner import LayerRunner
 from pagedrun.models.config import ModelConfig
+from pagedrun.models.layer_runner import LayerRunner
 
 
 class DirectCall:
