@@ -42,7 +42,7 @@ class _Counting:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_runner_gives_the_loops_logits(tmp_path, family, dtype):
     eng = _engine(tmp_path, family, dtype)
     runner = eng.model.layer_runner
@@ -65,7 +65,6 @@ def test_runner_gives_the_loops_logits(tmp_path, family, dtype):
 
 
 def test_runner_stands_aside(tmp_path, monkeypatch):
-    assert _engine(tmp_path, "qwen3", "float32").model.layer_runner is None  # per-head q/k norm
     eng = _engine(tmp_path, "llama", "bfloat16")
     runner = eng.model.layer_runner
     counter = _Counting(runner.lib)

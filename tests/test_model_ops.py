@@ -286,11 +286,34 @@ def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     g = _gen(5)
     w = torch.randn(8, 64, generator=g)
     assert ops.pack_weight(w.half()) is None and ops.pack_weight(w[:, None]) is None
-    x32 = torch.randn(4, 8, 64, generator=g)  # 3-D: the per-head q/k norms of Qwen3
+    x32 = torch.randn(4, 8, 64, generator=g).transpose(0, 1)  # 3-D, heads not contiguous per token
     wn = torch.randn(64, generator=g)
     with ops.torch_only():
         want = ops.rms_norm(x32, wn, 1e-6)
     assert torch.equal(ops.rms_norm(x32, wn, 1e-6), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_rms_norm_of_q_and_k_in_the_qkv_buffer(kern, dtype):
+    """Qwen3's q_norm / k_norm: [T, heads, hd] views into the qkv projection's output (token rows
+    qkv-wide apart), every head normalised over hd; float64's result within float32 rounding, and in
+    bf16 torch's bits (the kernel rounds where torch's bf16 ops do)."""
+    g = _gen(6)
+    t, heads, kv_heads, hd = 37, 9, 3, 64  # 37 x 9 x 64 > 8K elements: the threaded split runs too
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * hd, generator=g) * 3).to(dtype)
+    w = torch.randn(hd, generator=g).to(dtype)
+    for x in (qkv[:, : heads * hd].view(t, heads, hd), qkv[:, heads * hd: (heads + kv_heads) * hd].view(t, kv_heads, hd)):
+        got = ops.rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape and got.is_contiguous()
+        with ops.torch_only():
+            want = ops.rms_norm(x, w, 1e-6)
+        x64 = x.double()
+        exact = w.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if dtype == torch.float32:
+            assert (got.double() - exact).abs().max().item() < 2e-5
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+        else:
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("h", [576, 64, 13])

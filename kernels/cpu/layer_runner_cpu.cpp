@@ -12,6 +12,7 @@
 //
 //   x, residual = rms_norm(h, residual)          (layer 0: residual = h, x = rms_norm(h))
 //   qkv = x . Wqkv^T (+ b)                        [T, (heads + 2 kv_heads) * head_dim]
+//   q, k = head_rms_norm(q), head_rms_norm(k)     Qwen3 only, in place, in qkv
 //   rope(q), rope(k)                              in place, in qkv
 //   cache[slot[t]] = k[t], v[t]                    the paged KV cache
 //   attn = paged attention(q, cache)              decode kernel, or varlen with prefill tokens
@@ -31,6 +32,8 @@ using RmsNormFn = int (*)(const void* x, void* residual, const void* weight, voi
                           int64_t ldx, int64_t ldr, int64_t ldo, float eps, int threads);
 using LinearFn = int (*)(const void* x, const void* packed, const void* bias, void* out, int64_t m, int64_t n,
                          int64_t k, int64_t ldx, int64_t ldo, int threads);
+using HeadNormFn = int (*)(const void* x, const void* weight, void* out, int64_t ntok, int64_t heads,
+                          int64_t head_size, int64_t ldx, int64_t ldo, float eps, int threads);
 using RopeFn = int (*)(void* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok,
                        int64_t heads, int64_t head_size, int64_t ldx, int64_t max_pos, int threads);
 using CacheFn = int (*)(const void* key, const void* value, void* key_cache, void* value_cache,
@@ -59,6 +62,7 @@ struct PrKernels {
   CacheFn reshape_and_cache;
   DecodeFn decode;
   VarlenFn varlen;
+  HeadNormFn head_norm;
 };
 
 struct PrModel {
@@ -76,6 +80,8 @@ struct PrLayer {
   const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
   void* key_cache;
   void* value_cache;
+  const void* q_norm;  // Qwen3's per-head norms; null in the other families
+  const void* k_norm;
 };
 
 struct PrStep {
@@ -90,7 +96,7 @@ struct PrBuffers {
   void *residual, *h, *x, *qkv, *attn, *mid;  // residual holds the embeddings on entry
 };
 
-// 0, or where a kernel refused its arguments: 16 * layer + stage (stage 1-10: the calls below in
+// 0, or where a kernel refused its arguments: 16 * layer + stage (stage 1-12: the calls below in
 // order), with the kernel's status in *status; the layers after it are not run. The caller checks
 // what the kernels would refuse first, so a refusal here is a bug, reported, never retried.
 #define PR_CALL(call)                                  \
@@ -119,6 +125,10 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
     else
       PR_CALL(k->rms_norm(b->h, b->residual, L.input_norm, b->x, T, H, H, H, H, m->eps, threads));
     PR_CALL(k->linear(b->x, L.qkv_w, L.qkv_b, q, T, qkv_n, H, H, qkv_n, threads));
+    if (L.q_norm) {
+      PR_CALL(k->head_norm(q, L.q_norm, q, T, m->num_heads, hd, qkv_n, qkv_n, m->eps, threads));
+      PR_CALL(k->head_norm(key, L.k_norm, key, T, m->num_kv_heads, hd, qkv_n, qkv_n, m->eps, threads));
+    }
     PR_CALL(k->rope(q, s->positions, m->cos, m->sin, T, m->num_heads, hd, qkv_n, m->max_pos, threads));
     PR_CALL(k->rope(key, s->positions, m->cos, m->sin, T, m->num_kv_heads, hd, qkv_n, m->max_pos, threads));
     PR_CALL(k->reshape_and_cache(key, value, L.key_cache, L.value_cache, s->slot_mapping, T, kv_size, qkv_n, qkv_n,

@@ -416,6 +416,27 @@ inline v8f load8_any(const uint16_t* p) {
   return (v8f)(wide << 16);
 }
 
+// One row of RMSNorm: o = weight * (h * 1/sqrt(mean(h^2) + eps)), h = x, or with a residual row r,
+// h = x + r written back to r first. o may be x (each element is read before it is written).
+template <typename T>
+inline void rms_norm_row(const T* x, T* r, const T* weight, T* o, int64_t H, float eps) {
+  const T* h = x;
+  if (r) {
+    for (int64_t i = 0; i < H; ++i) st(r, i, ld(x, i) + ld(r, i));
+    h = r;
+  }
+  v8f acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const v8f v = load8_any(h + i);
+    acc += v * v;
+  }
+  float ss = horizontal_sum(acc);
+  for (; i < H; ++i) ss += ld(h, i) * ld(h, i);
+  const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
+  for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
+}
+
 // RMSNorm of M rows of H: out = weight * (h * 1/sqrt(mean(h^2) + eps)), where h = x, or, with a
 // residual, h = x + residual, written back to residual first (the pre-norm block's "h = h + f(h)"
 // fused into the next norm, as vLLM does). Rows have strides ldx / ldr / ldo.
@@ -428,26 +449,23 @@ int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_
   // each wrote half of every row, so one thread alone read half its input from the other core
   // (bf16, 49-64 rows: 3.4-3.8 -> 2.8-3.0 ms per step of 61 calls).
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= 8192)
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x + m * ldx;
-    T* o = out + m * ldo;
-    const T* h = xr;
-    if (residual) {
-      T* r = residual + m * ldr;
-      for (int64_t i = 0; i < H; ++i) st(r, i, ld(xr, i) + ld(r, i));
-      h = r;
-    }
-    v8f acc = {};
-    int64_t i = 0;
-    for (; i + 8 <= H; i += 8) {
-      const v8f v = load8_any(h + i);
-      acc += v * v;
-    }
-    float ss = horizontal_sum(acc);
-    for (; i < H; ++i) ss += ld(h, i) * ld(h, i);
-    const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
-    for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
-  }
+  for (int64_t m = 0; m < M; ++m)
+    rms_norm_row(x + m * ldx, residual ? residual + m * ldr : nullptr, weight, out + m * ldo, H, eps);
+  return 0;
+}
+
+// Qwen3's q_norm / k_norm: RMSNorm over each head of hd elements, for T tokens of `heads` heads
+// (token rows ldx / ldo apart, a token's heads contiguous, as q and k sit in the qkv projection's
+// output). out may be x: the layer runner normalises q and k where they are.
+template <typename T>
+int head_rms_norm(const T* x, const T* weight, T* out, int64_t T_, int64_t heads, int64_t hd, int64_t ldx,
+                  int64_t ldo, float eps, int num_threads) {
+  if (T_ < 0 || heads <= 0 || hd <= 0 || ldx < heads * hd || ldo < heads * hd) return -1;
+  if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T_ * heads * hd >= 8192)
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rms_norm_row(x + t * ldx + h * hd, static_cast<T*>(nullptr), weight, out + t * ldo + h * hd, hd, eps);
   return 0;
 }
 
@@ -573,23 +591,28 @@ inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const ui
   return rc != 0 ? rc : silu_and_mul<uint16_t>(scratch.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
 }
 
-#define PR_ELEMENTWISE(SUFFIX, T, W)                                                                               \
-  PR_EXPORT int rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H,        \
+#define PR_ELEMENTWISE(SUFFIX, T, W)                                                                            \
+  PR_EXPORT int rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H,       \
                                   int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {          \
     return rms_norm<T>(x, residual, weight, out, M, H, ldx, ldr, ldo, eps, num_threads);                        \
   }                                                                                                             \
+  PR_EXPORT int head_rms_norm_##SUFFIX(const T* x, const T* weight, T* out, int64_t ntok, int64_t heads,        \
+                                       int64_t head_size, int64_t ldx, int64_t ldo, float eps,                  \
+                                       int num_threads) {                                                       \
+    return head_rms_norm<T>(x, weight, out, ntok, heads, head_size, ldx, ldo, eps, num_threads);                \
+  }                                                                                                             \
   PR_EXPORT int rope_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok, \
-                              int64_t num_heads, int64_t head_size, int64_t ldx, int64_t max_pos,              \
+                              int64_t num_heads, int64_t head_size, int64_t ldx, int64_t max_pos,               \
                               int num_threads) {                                                                \
     return rope<T>(x, positions, cos, sin, ntok, num_heads, head_size, ldx, max_pos, num_threads);              \
   }                                                                                                             \
-  PR_EXPORT int silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo,  \
+  PR_EXPORT int silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, \
                                       int64_t block, int num_threads) {                                         \
     return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, block, num_threads);                                   \
   }                                                                                                             \
-  PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,        \
+  PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,      \
                                             int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \
-    return linear_packed_silu(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                             \
+    return linear_packed_silu(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                            \
   }
 PR_ELEMENTWISE(f32, float, float)
 PR_ELEMENTWISE(bf16, uint16_t, int32_t)

@@ -7,11 +7,11 @@ bench run (docs/cpu-model-ops.md, "Tenth round"). The runner makes the same kern
 same arguments from C, so its results are the loop's bit for bit; it has no arithmetic of its own.
 
 It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in
-float32 or bfloat16 with packed weights (ops.pack_weight), no per-head q/k norm (Qwen3 takes the
-loop), an attention backend whose C++ kernel reads the cache unquantized, and no forward hook
-on a decoder layer (the layers are not called one by one here). Everything else,
-and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which stays the reference
-(tests/test_layer_runner.py compares the two).
+float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend whose C++ kernel
+reads the cache unquantized, and no forward hook on a decoder layer (the layers are not called one
+by one here); Qwen3's per-head q/k norms are the kernel the loop calls too (ops.rms_norm on a
+[T, heads, hd] view). Everything else, and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which
+stays the reference (tests/test_layer_runner.py compares the two).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _ATTENTION_DTYPE = {torch.float32: 0, torch.bfloat16: 1}  # the attention kernel
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("rms_norm", "linear", "linear_silu", "rope", "reshape_and_cache",
-                                          "decode", "varlen")]
+                                          "decode", "varlen", "head_norm")]
 
 
 class _Model(ctypes.Structure):
@@ -45,7 +45,8 @@ class _Model(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
-                                          "gate_up_b", "down_w", "down_b", "key_cache", "value_cache")]
+                                          "gate_up_b", "down_w", "down_b", "key_cache", "value_cache", "q_norm",
+                                          "k_norm")]
 
 
 class _Step(ctypes.Structure):
@@ -106,7 +107,7 @@ class LayerRunner:
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
         """A runner for a loaded model (weights packed), or None where it cannot apply."""
-        if model.dtype not in _ATTENTION_DTYPE or model.config.qk_norm:
+        if model.dtype not in _ATTENTION_DTYPE:
             return None
         ops_lib = ops.load()
         if ops_lib is None or load() is None:
@@ -125,7 +126,8 @@ class LayerRunner:
         self._kernels = _Kernels(
             _address(self.ops_lib.op("rms_norm", self.dtype)), _address(linear),
             _address(self.ops_lib.op("linear_packed_silu", self.dtype)), _address(self.ops_lib.op("rope", self.dtype)),
-            _address(attention["reshape_and_cache"]), _address(attention["decode"]), _address(attention["varlen"]))
+            _address(attention["reshape_and_cache"]), _address(attention["decode"]), _address(attention["varlen"]),
+            _address(self.ops_lib.op("head_rms_norm", self.dtype)))
         layers = (_Layer * len(kv_caches))()
         for row, layer, (key_cache, value_cache) in zip(layers, self.model.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -136,6 +138,8 @@ class LayerRunner:
             row.gate_up_w, row.gate_up_b = _ptr_of(mlp.gate_up_proj.weight), _ptr_of(mlp.gate_up_proj.bias)
             row.down_w, row.down_b = _ptr_of(mlp.down_proj.weight), _ptr_of(mlp.down_proj.bias)
             row.key_cache, row.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+            if attn.qk_norm:  # null otherwise: the C loop skips the per-head norms
+                row.q_norm, row.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
         key_cache = kv_caches[0][0]
         rotary = self.model.rotary_emb
         self._model_args = _Model(

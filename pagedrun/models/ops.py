@@ -54,6 +54,7 @@ class CpuModelOps:
         self._ops = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
+                                   ("head_rms_norm", [_ptr] * 3 + [_i64] * 5 + [_f32, _int]),
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
                                    ("silu_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
                                    ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int])):
@@ -207,6 +208,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                           torch.get_num_threads())
         if rc == 0:
             return out if residual is None else (out, residual)
+    if kern is not None and residual is None and _heads_ok(x) and weight.is_contiguous():
+        # [T, heads, hd] with each token's heads contiguous (Qwen3's q and k, views into the qkv
+        # projection's output): every head normalised over hd, into a new [T, heads, hd].
+        t, heads, hd = x.shape
+        out = torch.empty(t, heads, hd, dtype=x.dtype)
+        rc = kern.op("head_rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, heads, hd,
+                                               x.stride(0), heads * hd, eps, torch.get_num_threads())
+        if rc == 0:
+            return out
     if residual is not None:
         x = x + residual
         return _rms_norm_torch(x, weight, eps), x
