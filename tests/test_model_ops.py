@@ -130,7 +130,7 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 576), (16, 64, 32), (17, 96, 1536), (64, 333, 64), (300, 40, 512),
                                    (40, 49152 // 64, 576), (700, 40, 1536)])  # the last: 3 chunks of rows
 def test_linear_packed_bf16_on_amx_tiles_matches_float64(kern, m, n, k):
-    """Where the CPU has AMX (amx_tile + amx_bf16), bf16 GEMMs of >= 3 rows run on tiles: row counts
+    """Where the CPU has AMX (amx_tile + amx_bf16), bf16 GEMMs run on tiles: row counts
     that are not a multiple of 16 (a zero-padded copy), a partial last panel, a bias. Same bound as the
     vector path; the tiles' sums are fp32 in their own order, so no bit equality is asked."""
     if not kern.amx:
@@ -148,6 +148,23 @@ def test_linear_packed_bf16_on_amx_tiles_matches_float64(kern, m, n, k):
     got2 = ops.linear_packed(x2, ops.pack_weight(w2), None, n)
     want2 = x2.double() @ w2.double().T
     assert ((got2.double() - want2).abs() <= want2.abs() * 2**-8 + 1e-5 * k**0.5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kern, dtype):
+    """Batch invariance of the GEMMs: row r's output is the same bits whether the call has 1, 2, 3
+    or 40 rows (a request decoded alone gets the tokens it gets in a batch, as far as the linear
+    layers go). Every path sums a row over k in one fixed order; on AMX machines the tiles take every
+    row count (before, 1-2 rows ran vdpbf16ps, whose sums can differ from the tiles' in the last bit)."""
+    g = _gen(11)
+    n, k = 96 * kern.panel + 5, 576
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    packed = ops.pack_weight(w)
+    x = torch.randn(40, k, generator=g).to(dtype)
+    full = ops.linear_packed(x, packed, None, n)
+    for m in (1, 2, 3, 17):
+        part = ops.linear_packed(x[:m].contiguous(), packed, None, n)
+        assert torch.equal(part, full[:m]), f"{m} rows: {(part != full[:m]).sum().item()} elements differ"
 
 
 def test_bf16_odd_k_and_mixed_dtypes_take_the_torch_path(kern):

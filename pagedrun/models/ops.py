@@ -46,7 +46,7 @@ class CpuModelOps:
         lib.linear_packed_bf16.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         # vdpbf16ps where the CPU has avx512_bf16; fp32 FMAs on widened bf16 otherwise.
         self.bf16_dot = bool(lib.packed_gemm_has_bf16_dot())
-        # AMX tiles for bf16 at >= 3 rows where the CPU has them (kernels/cpu/amx_bf16.h).
+        # AMX tiles for bf16 GEMMs where the CPU has them (kernels/cpu/amx_bf16.h).
         lib.packed_gemm_amx.restype = _int
         lib.packed_gemm_amx.argtypes = [_int]
         self.amx = bool(lib.packed_gemm_amx(-1))
