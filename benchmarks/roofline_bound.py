@@ -21,6 +21,7 @@ host are counted as free, so both bounds are optimistic: no engine on this machi
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -54,8 +55,6 @@ def main() -> None:
     from pagedrun.io.requests import Request
     from pagedrun.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
-
-    import json
 
     model_dir = resolve_bench_model(args.model)
     cfg = json.loads((model_dir / "config.json").read_text())
