@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pagedrun import fma_peak
-    from pagedrun.bench import count_params, kv_bytes_per_token, load_workload, r_len, resolve_bench_model
+    from pagedrun.bench import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
     from pagedrun.bench_roof import matmul_flops_per_s
     from pagedrun.engine.llm import LLM
     from pagedrun.io.requests import Request
@@ -64,7 +64,7 @@ def main() -> None:
     requests = load_workload("standard", model_dir, cfg, False, recipe)
     bs = recipe.cache.block_size
     if not any(o.split("=")[0].strip() in ("cache.num_blocks", "cache.kv_cache_memory") for o in args.set):
-        base.append(f"cache.num_blocks={sum(-(-(r_len(r)) // bs) for r in requests) + 1}")  # as the bench
+        base.append(room_for_all(requests, bs))  # as the bench
     params = count_params(model_dir)
     elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
     body = params["matmul"] - params["head"]

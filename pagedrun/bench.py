@@ -70,7 +70,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
                       f"model.device={device}"]
     if not any(o.split("=")[0].strip() in ("cache.num_blocks", "cache.kv_cache_memory") for o in overrides):
         # Room for every request at once: the comparison is about batching, not about preemption.
-        base_overrides.append(f"cache.num_blocks={sum(-(-(r_len(r)) // bs) for r in requests) + 1}")
+        base_overrides.append(room_for_all(requests, bs))
     specs: list[dict] = []
     if "pagedrun" in engines:
         specs.append({"engine": "pagedrun", "config": "continuous, paged", "overrides": base_overrides + overrides})
@@ -175,6 +175,12 @@ def parse_sizes(text: str | None) -> list[int] | None:
     if not sizes or min(sizes) < 1:
         raise PagedrunError(f"--batch-sizes: {text!r} is not a comma-separated list of positive integers")
     return sizes
+
+
+def room_for_all(requests: list[BenchRequest], block_size: int) -> str:
+    """The cache override that holds every request at once (the bench's default: it compares
+    batching, not preemption)."""
+    return f"cache.num_blocks={sum(-(-(r_len(r)) // block_size) for r in requests) + 1}"
 
 
 def r_len(r: BenchRequest) -> int:

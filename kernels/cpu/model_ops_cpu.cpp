@@ -50,6 +50,15 @@ constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while
 // of the default model's 576 x 1536 down projection, cold: see docs/cpu-model-ops.md).
 constexpr int64_t kOneChunkRows = 64;
 
+// One row of a packed panel (kPanel floats, or kPanel bf16 pairs: kPanel * 4 bytes) asked for ahead
+// of the GEMMs' loads, into L2 (prefetcht1), not L1: 30 layers of cold weights 9-10% faster at 8-16
+// rows (fp32, AVX-512), 7-9% at 2-8 (AVX2), level from 32 rows (docs/cpu-model-ops.md, eleventh
+// round). Likely why, not measured: an L1 prefetch holds one of the core's few line-fill buffers
+// until its line arrives.
+inline void prefetch_panel_row_l2(const void* row) {
+  for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(static_cast<const char*>(row) + line, 0, 2);
+}
+
 // Rows of x per chunk: kXBytesInL2 of them (whole tiles), or all of them up to kOneChunkRows.
 inline int64_t row_chunk_for(int64_t M, int64_t K, int64_t elem_bytes, int64_t tile) {
   int64_t chunk = kXBytesInL2 / (K * elem_bytes);
@@ -77,11 +86,7 @@ inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __r
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch && --pf_count == 0) {
       pf_count = pf_every;
-      // Into L2 (prefetcht1), not L1: 30 layers of cold weights 9-10% faster at 8-16 rows (fp32,
-      // AVX-512) and 7-9% at 2-8 (AVX2), level from 32 rows (docs/cpu-model-ops.md, eleventh
-      // round). Likely why, not measured: an L1 prefetch holds one of the core's few line-fill
-      // buffers until its line arrives.
-      for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(prefetch + line / 4, 0, 2);
+      prefetch_panel_row_l2(prefetch);
       prefetch += kPanel;
     }
     const vgf w0 = load_v(panel + k * kPanel), w1 = load_v(panel + k * kPanel + kVec);
@@ -232,8 +237,7 @@ inline void bf16_tile(const XRow* __restrict x, int64_t ldx, const int32_t* __re
   vgf acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vgf{};
   for (int64_t p = 0; p < K2; ++p) {
-    for (int line = 0; line < kPanel * 4; line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(panel + (p + kBf16TilePrefetchPairs) * kPanel) + line, 0, 2);
+    prefetch_panel_row_l2(panel + (p + kBf16TilePrefetchPairs) * kPanel);
     const vgi w0 = load_vi(panel + p * kPanel), w1 = load_vi(panel + p * kPanel + kVec);
 #if defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
     for (int i = 0; i < MR; ++i) {

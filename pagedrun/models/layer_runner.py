@@ -23,13 +23,13 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from pagedrun import cpu_build
-from pagedrun.attention.cpu_kernels import int_arg
+from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.models import ops
 
 SOURCE = cpu_build.KERNEL_DIR / "layer_runner_cpu.cpp"
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-_ATTENTION_DTYPE = {torch.float32: 0, torch.bfloat16: 1}  # the attention kernel's codes
+_DTYPES = (torch.float32, torch.bfloat16)  # the model ops' (ops.CpuModelOps)
 
 
 class _Kernels(ctypes.Structure):
@@ -107,7 +107,7 @@ class LayerRunner:
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
         """A runner for a loaded model (weights packed), or None where it cannot apply."""
-        if model.dtype not in _ATTENTION_DTYPE:
+        if model.dtype not in _DTYPES:
             return None
         ops_lib = ops.load()
         if ops_lib is None or load() is None:
@@ -145,7 +145,7 @@ class LayerRunner:
         self._model_args = _Model(
             len(kv_caches), self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
             key_cache.shape[1], key_cache.shape[0], rotary.cos.shape[0], key_cache.element_size(),
-            self.eps, self.scale, _ATTENTION_DTYPE[self.dtype], rotary.cos.data_ptr(), rotary.sin.data_ptr())
+            self.eps, self.scale, DTYPE_CODES[self.dtype], rotary.cos.data_ptr(), rotary.sin.data_ptr())
         self._layers = layers
 
     def _usable(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, backend):
