@@ -147,6 +147,37 @@ def test_pointer_built_views_match_what_dlpack_gives():
                         CB.from_pointer(base.view(torch.int16), _FakeCupy))
 
 
+def test_cache_views_are_made_once_per_cache_and_do_not_keep_it_alive(monkeypatch):
+    """The backend wraps each layer's KV cache once (a wrap is host time on every layer of every
+    step); the kept view does not own the cache, so a freed cache (the memory profile's) is freed,
+    and a new tensor, even at a reused id, gets its own view."""
+    import gc
+    import weakref
+
+    from pagedrun.attention import cupy_backend as CB
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
+    monkeypatch.setattr(CB, "_pointer_wraps_ok", True)
+    monkeypatch.setattr(CB, "_checked", CB.CHECKED_WRAPS)
+    backend = object.__new__(CB.CupyAttentionBackend)
+    backend._cache_views = {}
+    cache = torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16)
+    view = backend._cache_view(cache)
+    assert view.dtype == np.int16 and view.data.ptr == cache.data_ptr() and view.shape == tuple(cache.shape)
+    assert view.data.mem.owner is None
+    assert backend._cache_view(cache) is view
+    other = torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16)
+    assert backend._cache_view(other) is not view
+    alive = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert alive() is None  # the kept view did not hold it
+    monkeypatch.setattr(CB, "_checked", 0)  # still comparing with DLPack: nothing kept
+    monkeypatch.setattr(CB, "from_dlpack", lambda t, xp: CB.from_pointer(t, xp))
+    fresh = torch.zeros(2, 16, 1, 8)
+    assert backend._cache_view(fresh).data.mem.owner is not None and id(fresh) not in backend._cache_views
+
+
 def test_as_cupy_keeps_dlpack_for_good_when_a_pointer_view_differs(monkeypatch):
     from pagedrun.attention import cupy_backend as CB
 

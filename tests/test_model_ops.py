@@ -241,6 +241,38 @@ def test_rope_is_bit_identical_to_torch(kern):
     assert torch.equal(buf[:, (heads + kv_heads) * hd:], qkv[:, (heads + kv_heads) * hd:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_torch_path_is_hf_bit_for_bit_and_gathers_once_a_step(dtype):
+    """The torch path (CUDA, and CPUs without the kernel) against transformers' own
+    apply_rotary_pos_emb on random data: the same bits, with rotate_half's sign carried by sin.
+    With a memo the step's rows are gathered once: a second layer reuses them, a new positions
+    tensor (or an emptied memo: the model empties it at each forward) gathers again."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = _gen(31)
+    t, heads, kv_heads, hd, max_pos = 19, 6, 2, 32, 200
+    q = torch.randn(t, heads, hd, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, hd, generator=g).to(dtype)
+    positions = torch.randint(0, max_pos, (t,), generator=g)
+    freqs = torch.arange(max_pos).float()[:, None] * torch.rand(hd // 2, generator=g)[None, :] * 3
+    emb = torch.cat((freqs, freqs), dim=-1)[positions]  # HF's cos/sin: [T, hd], in the model dtype
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          emb.cos().to(dtype)[None], emb.sin().to(dtype)[None])
+    memo: dict = {}
+    with ops.torch_only():
+        got_q, got_k = ops.rope(positions, q, k, freqs.cos(), freqs.sin(), memo)
+        assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+        rows = memo[dtype]
+        ops.rope(positions, q, k, freqs.cos(), freqs.sin(), memo)
+        assert memo[dtype] is rows  # the next layer of the step
+        memo.clear()
+        ops.rope(positions, q, k, freqs.cos(), freqs.sin(), memo)
+        assert memo[dtype] is not rows
+        rows = memo[dtype]
+        ops.rope(positions.clone(), q, k, freqs.cos(), freqs.sin(), memo)
+        assert memo[dtype] is not rows
+
+
 def test_rope_position_outside_the_table_raises_and_writes_nothing(kern):
     q = torch.randn(2, 2, 8)
     k = torch.randn(2, 1, 8)

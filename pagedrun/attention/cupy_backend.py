@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -67,11 +68,18 @@ _pointer_wraps_ok = True
 _checked = 0
 
 
-def from_pointer(t: torch.Tensor, xp):
-    """The CuPy view DLPack would give, from t's address, shape and strides (t stays its owner)."""
+_SAME_BITS = {torch.bfloat16: torch.int16}  # the kernels take bf16 through its 16-bit pattern
+_ITSELF = object()  # from_pointer's default owner: the tensor
+
+
+def from_pointer(t: torch.Tensor, xp, owner: object = _ITSELF):
+    """The CuPy view DLPack would give, from t's address, shape and strides. t stays its owner,
+    unless `owner` names another (None: nobody; the caller keeps t alive while the view is used)."""
+    if t.dtype in _SAME_BITS:
+        t = t.view(_SAME_BITS[t.dtype])
     item = t.element_size()
     extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * item if t.numel() else 0
-    mem = xp.cuda.UnownedMemory(t.data_ptr(), extent, t, t.device.index or 0)
+    mem = xp.cuda.UnownedMemory(t.data_ptr(), extent, t if owner is _ITSELF else owner, t.device.index or 0)
     return xp.ndarray(tuple(t.shape), _NP_DTYPES[t.dtype], xp.cuda.MemoryPointer(mem, 0),
                       tuple(int(s) * item for s in t.stride()))
 
@@ -122,6 +130,11 @@ class CupyAttentionBackend:
         self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
         self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         self.last_version: str | None = None
+        # Per-call host work that does not change between layers and steps (on the H100's host a
+        # step was 35 ms of Python and launches for 30 layers): each layer's cache views, and
+        # torch's stream as CuPy's, keyed by what they wrap.
+        self._cache_views: dict[int, tuple[weakref.ref, object]] = {}
+        self._streams: dict[int, object] = {}
 
     def kernels(self, cache: torch.Tensor, model_dtype: torch.dtype | None = None) -> K.PagedKernels:
         """model_dtype: the query's (default: the cache's own, or the last forward's when quantized).
@@ -135,9 +148,32 @@ class CupyAttentionBackend:
     def _stream(self, device: torch.device):
         import cupy
 
+        ptr = torch.cuda.current_stream(device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = cupy.cuda.ExternalStream(ptr)
         with cupy.cuda.Device(device.index or 0):
-            with cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+            with stream:
                 yield
+
+    def _cache_view(self, cache: torch.Tensor):
+        """A KV cache's CuPy view, made once per cache tensor. The view does not own the tensor
+        (a kept view would keep a freed cache's memory alive, e.g. the memory profile's); the entry
+        is checked against the live tensor by identity, address and shape."""
+        hit = self._cache_views.get(id(cache))
+        if hit is not None:
+            ref, view = hit
+            if (ref() is cache and view.data.ptr == cache.data_ptr()
+                    and tuple(view.shape) == tuple(cache.shape)):
+                return view
+        pointer_view = _pointer_wraps_ok and _checked >= CHECKED_WRAPS
+        if not pointer_view or _SAME_BITS.get(cache.dtype, cache.dtype) not in _NP_DTYPES:
+            return as_cupy(cache)  # a DLPack import owns its tensor: not kept
+        import cupy
+
+        view = from_pointer(cache, cupy, owner=None)
+        self._cache_views[id(cache)] = (weakref.ref(cache), view)
+        return view
 
     def forward(
         self,
@@ -163,7 +199,9 @@ class CupyAttentionBackend:
         with self._stream(device):
             step = paged_step.cached(meta, device, as_cupy, paged_step.prefill_mode(self.prefill, ker.variant), self.name)
             out, version = paged_step.forward(ker, step, as_cupy, query, key, value, key_cache, value_cache,
-                                              meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs)
+                                              meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs,
+                                              cache_views=(self._cache_view(key_cache),
+                                                           self._cache_view(value_cache)))
         if version != "none":
             self.last_version = version
         return out

@@ -165,7 +165,7 @@ class PagedKernels:
         if limit is not None and shared_mem > limit:
             static = int(getattr(fn, "shared_size_bytes", 0) or 0)
             _check(self.smem_optin is None or static + shared_mem <= self.smem_optin,
-                   f"{name} needs {shared_mem} B dynamic + {static} B static shared memory, over the "
+                   lambda: f"{name} needs {shared_mem} B dynamic + {static} B static shared memory, over the "
                    f"device's {self.smem_optin} B per block (sharedMemPerBlockOptin)")
             fn.max_dynamic_shared_size_bytes = shared_mem
         return fn
@@ -183,9 +183,10 @@ class PagedKernels:
         _, block_size, num_kv_heads, head_size = key_cache.shape
         self._check_cache(key_cache, value_cache, k_scales, v_scales)
         for name, t in (("key", key), ("value", value)):
-            _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), f"{name} shape {t.shape}")
-            _check(rows_contiguous(t), f"{name} rows must be contiguous")
-            _check(same_dtype(t.dtype, self.variant.np_dtype), f"{name} dtype {t.dtype} != the model dtype {self.variant.dtype}")
+            _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), lambda: f"{name} shape {t.shape}")
+            _check(rows_contiguous(t), lambda: f"{name} rows must be contiguous")
+            _check(same_dtype(t.dtype, self.variant.np_dtype),
+                   lambda: f"{name} dtype {t.dtype} != the model dtype {self.variant.dtype}")
         _check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
         row = num_kv_heads * head_size
         # int8: one warp per kv head (the head's max |x| is a warp reduction), at most 16 warps
@@ -238,11 +239,12 @@ class PagedKernels:
             return "none"
         _, block_size, num_kv_heads, cache_head_size = key_cache.shape
         self._check_cache(key_cache, value_cache, k_scales, v_scales)
-        _check(head_size == cache_head_size, f"query head_size {head_size} != cache {cache_head_size}")
-        _check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
+        _check(num_heads % num_kv_heads == 0,
+               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
         _check(rows_contiguous(query), "query heads must be contiguous")
         _check(same_dtype(query.dtype, self.variant.np_dtype) and same_dtype(out.dtype, self.variant.np_dtype),
-               f"query/out dtype != the model dtype {self.variant.dtype}")
+               lambda: f"query/out dtype != the model dtype {self.variant.dtype}")
         _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
                "out must be contiguous like query")
         _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
@@ -252,9 +254,10 @@ class PagedKernels:
         _check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
         max_seq_len = max(int(max_seq_len), 1)
         if self.xp is np and num_seqs:  # cheap on the host; on a GPU it would cost a sync
-            _check(int(seq_lens.max()) <= max_seq_len, f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
+            _check(int(seq_lens.max()) <= max_seq_len,
+                   lambda: f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
         _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
-               f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
+               lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
         if version is None:
             version = "v1" if use_v1(max_seq_len) else "v2"
         if version not in ("v1", "v2"):
@@ -262,8 +265,8 @@ class PagedKernels:
         per_head = num_seqs * (num_partitions(max_seq_len) if version == "v2" else 1)
         if group is None:
             group = pick_group(self.variant, num_heads, num_kv_heads, per_head, self.num_sms)
-        _check(group in (1, self.variant.launch_group(num_heads, num_kv_heads)),
-               f"group {group}: this variant launches 1 or {self.variant.launch_group(num_heads, num_kv_heads)}")
+        grouped = self.variant.launch_group(num_heads, num_kv_heads)
+        _check(group in (1, grouped), lambda: f"group {group}: this variant launches 1 or {grouped}")
         # A single row may carry a normalised stride (DLPack's size-1 rule); it is never stepped over.
         q_stride = np.int32(query.strides[0] // query.itemsize if num_seqs > 1 else num_heads * head_size)
         empty = alloc or (lambda shape, dtype: self.xp.empty(shape, dtype=dtype))
@@ -309,21 +312,23 @@ class PagedKernels:
                "caches must be contiguous")
         v = self.variant
         _check(same_dtype(key_cache.dtype, v.cache_np_dtype) and same_dtype(value_cache.dtype, v.cache_np_dtype),
-               f"cache dtype {key_cache.dtype} != {np.dtype(v.cache_np_dtype)} (kv_cache_dtype {v.kv_dtype})")
+               lambda: f"cache dtype {key_cache.dtype} != {np.dtype(v.cache_np_dtype)} (kv_cache_dtype {v.kv_dtype})")
         if not v.quantized:
             _check(k_scales is None and v_scales is None, "an unquantized cache takes no scales")
             return
         want = tuple(int(n) for n in key_cache.shape[:3]) if v.kv_dtype == "int8" else (1,)
         for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-            _check(t is not None, f"kv_cache_dtype {v.kv_dtype} needs {name}")
+            _check(t is not None, lambda: f"kv_cache_dtype {v.kv_dtype} needs {name}")
             _check(t.dtype == np.float32 and int(np.prod(t.shape)) == int(np.prod(want))
                    and (t.ndim <= 1 or tuple(int(n) for n in t.shape) == want) and c_contiguous_ignoring_size1(t),
-                   f"{name} must be contiguous float32 {list(want)}, got {t.dtype} {list(t.shape)}")
+                   lambda: f"{name} must be contiguous float32 {list(want)}, got {t.dtype} {list(t.shape)}")
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str | Callable[[], str]) -> None:
+    """A formatted message comes as a lambda: built only when the check fails (these run for
+    every layer of every step, and formatting dtypes cost more than the checks)."""
     if not ok:
-        raise ValueError(f"paged kernels: {message}")
+        raise ValueError(f"paged kernels: {message() if callable(message) else message}")
 
 
 def same_dtype(have, want) -> bool:

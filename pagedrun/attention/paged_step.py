@@ -124,18 +124,22 @@ def scale_tensors(variant: K.KernelVariant, key_cache: torch.Tensor, k_scale, v_
 
 def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value, key_cache, value_cache,
             meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None,
-            k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+            k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+            cache_views: tuple[Any, Any] | None = None) -> tuple[torch.Tensor, str]:
     """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
-    prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors."""
-    kc, vc = wrap(key_cache), wrap(value_cache)
+    prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors.
+    cache_views: the caches already wrapped (a backend may keep them: they live as long as it)."""
+    kc, vc = cache_views or (wrap(key_cache), wrap(value_cache))
     ks = None if k_scales is None else wrap(k_scales)
     vs = None if v_scales is None else wrap(v_scales)
-    ker.reshape_and_cache(wrap(key.contiguous()), wrap(value.contiguous()), kc, vc, step.slot_mapping, ks, vs)
-    out = torch.zeros_like(query, memory_format=torch.contiguous_format)  # padding rows stay 0
+    ker.reshape_and_cache(wrap(heads_packed(key)), wrap(heads_packed(value)), kc, vc, step.slot_mapping, ks, vs)
+    # Rows no kernel writes (padding) stay 0; when the kernel rows are every token, none is left.
+    every_row = step.row_tokens is None and step.num_rows == query.shape[0] and not step.prefills
+    out = (torch.empty_like if every_row else torch.zeros_like)(query, memory_format=torch.contiguous_format)
     version = "none"
     if step.num_rows:
         if step.row_tokens is None:
-            q, o = query[: step.num_rows].contiguous(), out[: step.num_rows]
+            q, o = heads_packed(query[: step.num_rows]), out[: step.num_rows]
         else:
             q = query.index_select(0, step.row_tokens)
             o = torch.empty_like(q)
@@ -148,6 +152,14 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
                         meta.block_size, scale)
     return out, version
+
+
+def heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_size] as the kernels take it: each row's heads packed, rows any stride
+    apart. The projections' k and v are such views into the qkv output already; copied only if not."""
+    if x.dim() == 3 and (x.shape[2] <= 1 or x.stride(2) == 1) and (x.shape[1] <= 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
 
 
 def launch_each_version(ker: K.PagedKernels, wrap: Wrap, key_cache, value_cache, dtype: torch.dtype,

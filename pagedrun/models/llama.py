@@ -137,11 +137,12 @@ class RotaryEmbedding(DirectCall, nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.step_rows: dict = {}  # the torch path's rows of the tables for this step (ops.rope_rows)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope(positions, q, k, self.cos, self.sin)
+        return ops.rope(positions, q, k, self.cos, self.sin, self.step_rows)
 
 
 class LlamaAttention(DirectCall, nn.Module):
@@ -278,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
         if done:
             h, residual = done
         else:
+            self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta, backend)
         return self.model.norm(h, residual)[0]

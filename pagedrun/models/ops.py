@@ -232,9 +232,10 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+         sin: torch.Tensor, memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, hd] and k [T, kv_heads, hd] by their tokens' positions ("rotate half"
-    layout; cos/sin tables [max_pos, hd/2] in float32). The kernel rotates q and k in place."""
+    layout; cos/sin tables [max_pos, hd/2] in float32). The kernel rotates q and k in place.
+    memo: where the torch path keeps the step's rows of the tables for the next layer (rope_rows)."""
     kern = _kernels_for(q, k)
     if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
             and cos.dtype == torch.float32 and sin.dtype == torch.float32
@@ -248,9 +249,30 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
         if ok:
             return q, k
         # Refused before writing anything (a position outside the table): torch raises on it below.
-    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, hd/2]
-    s = sin[positions].to(q.dtype)[:, None, :]
+    c, s = rope_rows(positions, cos, sin, q.dtype, memo)
     return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+              memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's factors [T, 1, hd] in the model's dtype: cat(cos, cos) and cat(-sin, sin)
+    at each token's position (HF's cos and sin, with rotate_half's sign moved onto sin: negation is
+    exact, so the products are the same bits). Every layer of a step rotates by the same rows: with
+    a memo (the model's rotary module keeps one, emptied at each forward) they are gathered by the
+    first layer and reused while the positions tensor is the same one. On a GPU that is 7 launches
+    a step instead of 4 a layer."""
+    if memo is not None:
+        if memo.get("positions") is not positions:
+            memo.clear()
+            memo["positions"] = positions
+        rows = memo.get(dtype)
+        if rows is not None:
+            return rows
+    c, s = cos[positions], sin[positions]
+    rows = (torch.cat((c, c), dim=-1).to(dtype)[:, None, :], torch.cat((-s, s), dim=-1).to(dtype)[:, None, :])
+    if memo is not None:
+        memo[dtype] = rows
+    return rows
 
 
 def _heads_ok(x: torch.Tensor) -> bool:
@@ -258,9 +280,9 @@ def _heads_ok(x: torch.Tensor) -> bool:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x*cat(cos,cos) + rotate_half(x)*cat(sin,sin), written on halves: same float ops as HF.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # HF's x * cos + rotate_half(x) * sin with rotate_half's sign in `sin` (rope_rows): the halves
+    # swapped by one roll, so the same float ops as HF's in 4 launches instead of 7.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
