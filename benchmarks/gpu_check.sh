@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The first contact with a GPU, in one command (issue 15). From the repository root:
 #
-#   benchmarks/gpu_check.sh [--out DIR] [--only STEP,STEP,...] [--budget SECONDS]
+#   benchmarks/gpu_check.sh [--out DIR] [--only STEP,STEP,...] [--budget SECONDS] [--archive FILE]
+#
+# --archive FILE: also pack DIR (summary, every log and JSON) into one .tgz at the end, e.g. into
+# the one folder a lent machine sends back, which returns 8 files at most (gpu_check writes ~20).
 #
 # The checks of correctness (tests, kernels, sanitizer) run side by side: they time nothing, and a
 # GPU machine is lent by the minute. Then, one at a time on an otherwise idle GPU: engine (it
@@ -32,12 +35,14 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
 ONLY="env,tests,kernels,engine,bandwidth,bandwidth-kv,sanitizer,bench-default,host-profile,bench-1b"
 BUDGET=900
+ARCHIVE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
-    *) echo "gpu_check: unknown argument $1 (--out DIR, --only STEP,..., --budget SECONDS)"; exit 2 ;;
+    --archive) ARCHIVE="$2"; shift 2 ;;
+    *) echo "gpu_check: unknown argument $1 (--out DIR, --only STEP,..., --budget SECONDS, --archive FILE)"; exit 2 ;;
   esac
 done
 
@@ -197,4 +202,8 @@ fi
 FAILED=0; grep -qE '\| (FAIL|TIMEOUT)' "$PARTS"/*.row && FAILED=1
 rm -rf "$PARTS"
 echo "gpu_check: summary in $SUMMARY"
+if [ -n "$ARCHIVE" ]; then
+  mkdir -p "$(dirname "$ARCHIVE")"
+  tar -czf "$ARCHIVE" -C "$OUT_DIR" . && echo "gpu_check: everything in $ARCHIVE"
+fi
 exit $FAILED

@@ -558,6 +558,7 @@ def test_cache_allocation_rechecks_free_memory_and_maps_oom():
 
 # ---------------------------------------------------------------- 6, 9: the GPU scripts without a GPU
 
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -573,6 +574,22 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stdout.strip().count("\n") == 0 and "no CUDA GPU" in r.stdout, (r.stdout, r.stderr)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_gpu_check_archive_holds_the_summary_and_every_log(tmp_path):
+    """--archive packs the whole output folder into one file: a lent GPU machine sends back 8 files
+    at most, and a full run writes about 20. Run in the script's dry mode (no GPU needed; its env
+    step then fails, which the summary records)."""
+    import tarfile
+
+    archive = tmp_path / "back" / "gpu_check.tgz"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--only", "env", "--budget", "60",
+                        "--out", str(tmp_path / "out"), "--archive", str(archive)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PAGEDRUN_GPU_CHECK_DRY": "1"})
+    assert "everything in" in r.stdout, (r.stdout, r.stderr)
+    with tarfile.open(archive) as t:
+        names = {Path(n).name for n in t.getnames()}
+    assert {"gpu_check.md", "env.log"} <= names
 
 
 def test_bandwidth_benchmark_helpers():
