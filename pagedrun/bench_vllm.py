@@ -77,9 +77,15 @@ def run_vllm(spec: dict, python: str) -> dict:
             raise PagedrunError(f"bench: vllm failed ({cause[0][:300] if cause else 'no output'}); log: {log}")
         row = json.loads(out_path.read_text())
     bpt = spec["kv_bytes_per_token"]
+    cached = row.pop("num_cached_tokens", None)  # per request; None from a vLLM that does not say
     row.update(
         memory_isolated=True, preloaded=preload,
-        executed_tokens=sum(len(r["prompt_token_ids"]) + len(o) - 1 for r, o in zip(spec["requests"], row["outputs"])),
+        prefix_hit_tokens=None if cached is None else sum(cached),
+        prefix_hit_tokens_kind=("measured: vLLM's RequestOutput.num_cached_tokens" if cached is not None
+                                else "not reported by this vLLM: counted as 0"),
+        executed_tokens=sum(len(r["prompt_token_ids"]) - c + len(o) - 1
+                            for r, c, o in zip(spec["requests"], cached or [0] * len(row["outputs"]),
+                                               row["outputs"])),
         kv_bytes=spec["kv_cache_memory_bytes"], kv_bytes_kind="set: kv_cache_memory_bytes, pagedrun's KV bytes",
         kv_capacity_tokens=spec["kv_cache_memory_bytes"] // bpt,
         kv_peak_bytes=None, kv_peak_bytes_kind="not observed (vLLM's scheduler is not instrumented here)",

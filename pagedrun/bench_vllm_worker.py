@@ -68,7 +68,9 @@ def main() -> None:
     sampler.join()
     import vllm
 
+    cached = [getattr(r, "num_cached_tokens", None) for r in results]  # prompt tokens its prefix cache served
     out = {"wall_s": wall, "load_s": load_s, "outputs": [list(r.outputs[0].token_ids) for r in results],
+           "num_cached_tokens": None if None in cached else cached,
            "peak_rss_bytes": sampler.peak, "peak_rss_kind": "measured: sum over vLLM's processes, sampled every 50 ms",
            "vllm_version": vllm.__version__}
     open(sys.argv[2], "w").write(json.dumps(out))

@@ -80,6 +80,12 @@ def test_lm_head_flops_count_only_where_logits_are_computed(tmp_path, tied):
     body = p["matmul"] - p["head"]
     assert row["useful_flops_per_s"] == 2 * (body * (60 + 40) + p["head"] * 40) / 2.0
     assert row["roofline_fraction"] == row["useful_flops_per_s"] / 1e9
+    # Prompt tokens the engine's prefix cache served are not work it did: on the shared-prefix
+    # workload counting them put engines above the peak.
+    hit = {"outputs": [[1] * 10, [2] * 30], "wall_s": 2.0, "executed_tokens": 60 + 40 - 32,
+           "prefix_hit_tokens": 32}
+    finish_row(hit, reqs, p, flops=1e9)
+    assert hit["useful_flops_per_s"] == 2 * (body * (60 - 32 + 40) + p["head"] * 40) / 2.0
 
 
 def test_kv_bytes_per_token_from_config():
