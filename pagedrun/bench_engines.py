@@ -191,6 +191,7 @@ def _run_hf_static(spec: dict, requests: list[BenchRequest]) -> dict:
     _sync(spec["device"])
     wall = time.perf_counter() - t
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "executed_tokens": executed,
+            "prefix_hit_tokens": 0, "prefix_hit_tokens_kind": "none: a static batch recomputes every prompt",
             "kv_bytes": peak_kv, "kv_bytes_kind": "derived: largest batch x (padded prompt + new tokens) x bytes/token",
             "kv_peak_bytes": peak_kv, "kv_peak_bytes_kind": "derived: the dynamic cache grows to its allocation",
             "kv_utilisation": live / slots if slots else None,
@@ -241,6 +242,10 @@ def _run_hf_continuous(spec: dict, requests: list[BenchRequest]) -> dict:
     bpt = _kv_bytes_per_token(model)
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs,
             "executed_tokens": sum(len(r.prompt_token_ids) + len(o) - 1 for r, o in zip(requests, outputs)),
+            "prefix_hit_tokens": None,
+            "prefix_hit_tokens_kind": "not observed (transformers' scheduler is not instrumented): counted as 0; "
+                                      "with allow_block_sharing it may reuse prefix blocks, so its roof fraction "
+                                      "is an upper bound where prompts share prefixes",
             "kv_bytes": spec["num_blocks"] * ps * bpt, "kv_bytes_kind": "derived: num_blocks x page_size x bytes/token",
             "kv_peak_bytes": None, "kv_peak_bytes_kind": "not observed (transformers' scheduler is not instrumented)",
             "kv_utilisation": live / slots if slots else None,
