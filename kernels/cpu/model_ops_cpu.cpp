@@ -221,16 +221,17 @@ inline void store_bf16_panel_row(uint16_t* o, vgf a0, vgf a1, const uint16_t* bi
   for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(j < kVec ? a0[j] : a1[j - kVec]);
 }
 
-// x: bf16 rows (the vdpbf16ps path broadcasts a pair's 32 bits), or, on the widening path, the
-// same rows already widened to fp32 (XRow = float: one broadcast from memory per element, where a
-// bf16 element took a scalar load, shift and move first; with those, bf16 ran 1.8x slower than
-// fp32 on AVX2, against half the weight bytes).
 // How far ahead of its loads a bf16 tile asks for the panel's pair rows (64 of 128 bytes: 8 KiB),
 // into L2. It had no software prefetch: its few rows leave the FMAs idle while the weights stream,
 // and the hardware's prefetcher alone did not keep up. 30 cold layers, new / old time: vdpbf16ps
 // (AVX-512 with bf16, no AMX) 0.85 at 1 row, 0.71-0.75 at 2-8, 0.90 at 64; the widening path
 // (AVX2) 0.60-0.80 at 1-11 rows (docs/cpu-model-ops.md, eleventh round).
 constexpr int64_t kBf16TilePrefetchPairs = 64;
+
+// x: bf16 rows (the vdpbf16ps path broadcasts a pair's 32 bits), or, on the widening path, the
+// same rows already widened to fp32 (XRow = float: one broadcast from memory per element, where a
+// bf16 element took a scalar load, shift and move first; with those, bf16 ran 1.8x slower than
+// fp32 on AVX2, against half the weight bytes).
 template <int MR, typename XRow>
 inline void bf16_tile(const XRow* __restrict x, int64_t ldx, const int32_t* __restrict panel, int64_t K2,
                       const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {

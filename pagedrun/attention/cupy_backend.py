@@ -43,9 +43,7 @@ def as_cupy(t: torch.Tensor):
     global _pointer_wraps_ok, _checked
     import cupy
 
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
+    t = kernel_bits(t.detach())
     if _pointer_wraps_ok and t.dtype in _NP_DTYPES:
         arr = from_pointer(t, cupy)
         if _checked >= CHECKED_WRAPS:
@@ -68,15 +66,17 @@ _pointer_wraps_ok = True
 _checked = 0
 
 
-_SAME_BITS = {torch.bfloat16: torch.int16}  # the kernels take bf16 through its 16-bit pattern
 _ITSELF = object()  # from_pointer's default owner: the tensor
+
+
+def kernel_bits(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernels take it: bf16 through its 16-bit pattern (an int16 view), else itself."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def from_pointer(t: torch.Tensor, xp, owner: object = _ITSELF):
     """The CuPy view DLPack would give, from t's address, shape and strides. t stays its owner,
     unless `owner` names another (None: nobody; the caller keeps t alive while the view is used)."""
-    if t.dtype in _SAME_BITS:
-        t = t.view(_SAME_BITS[t.dtype])
     item = t.element_size()
     extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * item if t.numel() else 0
     mem = xp.cuda.UnownedMemory(t.data_ptr(), extent, t if owner is _ITSELF else owner, t.device.index or 0)
@@ -166,12 +166,12 @@ class CupyAttentionBackend:
             if (ref() is cache and view.data.ptr == cache.data_ptr()
                     and tuple(view.shape) == tuple(cache.shape)):
                 return view
-        pointer_view = _pointer_wraps_ok and _checked >= CHECKED_WRAPS
-        if not pointer_view or _SAME_BITS.get(cache.dtype, cache.dtype) not in _NP_DTYPES:
+        bits = kernel_bits(cache)
+        if not (_pointer_wraps_ok and _checked >= CHECKED_WRAPS) or bits.dtype not in _NP_DTYPES:
             return as_cupy(cache)  # a DLPack import owns its tensor: not kept
         import cupy
 
-        view = from_pointer(cache, cupy, owner=None)
+        view = from_pointer(bits, cupy, owner=None)
         self._cache_views[id(cache)] = (weakref.ref(cache), view)
         return view
 
