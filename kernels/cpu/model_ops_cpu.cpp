@@ -309,8 +309,12 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
       store_v(r + kPanel, bf16_even(w0));
       store_v(r + kPanel + kVec, bf16_even(w1));
     }
-    for (int64_t m = 0, t = 0; m < rows; m += kTileM, ++t) {
-      const int mr = rows - m < kTileM ? int(rows - m) : kTileM;
+    // Equal tiles: AVX2's 6-row tiles over 64 rows left a 4-row one, over 110 a 2-row one (4
+    // accumulator chains: half the FMA rate). With chunks of whole tiles (linear_packed_bf16), 3-4%
+    // less time at 20-64 rows (AVX2-built; docs/cpu-model-ops.md, thirteenth round).
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m = rows * t / tiles;
+      const int mr = int(rows * (t + 1) / tiles - m);
       packed_tile_rows<kTileM>(mr, xs + m * ldx, ldx, w - k0 * kPanel, k0, k1, c + m * kPanel, kPanel, k0 == 0,
                                nullptr, next + t * share * kPanel, pf_every);
     }
@@ -351,52 +355,56 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
   if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
 #endif
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
-  const int64_t row_chunk = row_chunk_for(M, K, sizeof(Bf16XRow), kTileMBf16);
-  // The widening path's fp32 copy of a chunk of rows: one buffer per calling thread, kept between
-  // calls (its pointer taken here: inside the parallel region `xw` would name each worker's own).
-  static thread_local std::vector<float> xw;
-  if constexpr (!kBf16Dot) xw.resize(size_t((M < row_chunk ? M : row_chunk) * K));
-  float* const xw_data = xw.data();
-  for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
-    const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
-    const Bf16XRow* xr;
-    int64_t ldxr;
-    // (Both branches compile in this non-template function; the casts are the identity on the
-    // one taken.)
-    if constexpr (kBf16Dot) {
-      xr = reinterpret_cast<const Bf16XRow*>(x + m0 * ldx);
-      ldxr = ldx;
-    } else {
-      // Widened with each pair swapped (see bf16_tile), a 32-bit pair at a time into 64 bits: the
-      // high bf16 (odd k) widened into the low float, the low one into the high float. A loop the
-      // compiler vectorises; element by element it ran on one core for ~3% of a 64-row GEMM.
-      for (int64_t m = m0; m < m1; ++m) {
-        uint64_t* row = reinterpret_cast<uint64_t*>(xw_data + (m - m0) * K);
-        for (int64_t p = 0; p < K / 2; ++p) {
-          uint32_t pair;
-          std::memcpy(&pair, x + m * ldx + 2 * p, 4);
-          row[p] = uint64_t(pair & 0xffff0000u) | (uint64_t(pair & 0xffffu) << 48);
+  // Chunks of whole tiles of the path that runs them: the widening path's are fp32 tiles.
+  const int64_t row_chunk = row_chunk_for(M, K, sizeof(Bf16XRow), kBf16Dot ? kTileMBf16 : kTileM);
+#pragma omp parallel num_threads(num_threads)
+  {
+    // The widening path's fp32 copy of a chunk of rows: each thread its own, kept between calls.
+    // Widened by one thread for all, it left the other waiting and fetching the copy from its
+    // neighbour's L2.
+    static thread_local std::vector<float> xw;
+    if constexpr (!kBf16Dot) xw.resize(size_t((M < row_chunk ? M : row_chunk) * K));
+    for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+      const Bf16XRow* xr;
+      int64_t ldxr;
+      // (Both branches compile in this non-template function; the casts are the identity on the
+      // one taken.)
+      if constexpr (kBf16Dot) {
+        xr = reinterpret_cast<const Bf16XRow*>(x + m0 * ldx);
+        ldxr = ldx;
+      } else {
+        // Widened with each pair swapped (see bf16_tile), a 32-bit pair at a time into 64 bits:
+        // the high bf16 (odd k) widened into the low float, the low one into the high float. A
+        // loop the compiler vectorises; element by element it ran for ~3% of a 64-row GEMM.
+        for (int64_t m = m0; m < m1; ++m) {
+          uint64_t* row = reinterpret_cast<uint64_t*>(xw.data() + (m - m0) * K);
+          for (int64_t p = 0; p < K / 2; ++p) {
+            uint32_t pair;
+            std::memcpy(&pair, x + m * ldx + 2 * p, 4);
+            row[p] = uint64_t(pair & 0xffff0000u) | (uint64_t(pair & 0xffffu) << 48);
+          }
         }
+        xr = reinterpret_cast<const Bf16XRow*>(xw.data());
+        ldxr = K;
       }
-      xr = reinterpret_cast<const Bf16XRow*>(xw_data);
-      ldxr = K;
-    }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t q = 0; q < num_panels; ++q) {
-      const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-      const int64_t rows = m1 - m0;
-      if (!kBf16Dot && rows >= kWidenPanelRows) {
-        bf16_panel_widened(reinterpret_cast<const float*>(xr), ldxr, rows, packed + q * K2 * kPanel, K2,
-                           bias ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo, cols);
-        continue;
-      }
-      // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
-      const int64_t tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m = m0 + rows * t / tiles;
-        const int mr = int(m0 + rows * (t + 1) / tiles - m);
-        bf16_tile_rows<kTileMBf16>(mr, xr + (m - m0) * ldxr, ldxr, packed + q * K2 * kPanel, K2,
-                                   bias ? bias + n0 : nullptr, out + m * ldo + n0, ldo, cols);
+#pragma omp for schedule(static) nowait
+      for (int64_t q = 0; q < num_panels; ++q) {
+        const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+        const int64_t rows = m1 - m0;
+        if (!kBf16Dot && rows >= kWidenPanelRows) {
+          bf16_panel_widened(reinterpret_cast<const float*>(xr), ldxr, rows, packed + q * K2 * kPanel, K2,
+                             bias ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo, cols);
+          continue;
+        }
+        // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
+        const int64_t tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + rows * t / tiles;
+          const int mr = int(m0 + rows * (t + 1) / tiles - m);
+          bf16_tile_rows<kTileMBf16>(mr, xr + (m - m0) * ldxr, ldxr, packed + q * K2 * kPanel, K2,
+                                     bias ? bias + n0 : nullptr, out + m * ldo + n0, ldo, cols);
+        }
       }
     }
   }
