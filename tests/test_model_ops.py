@@ -326,6 +326,37 @@ def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("m", [3, 17, 64, 300])  # 300 rows of k = 576: three row chunks
+def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
+    """Off the AMX tiles each thread takes pairs of gate/up panels through its own scratch: the bits
+    of the [M, 2I] GEMM then silu_and_mul, on this machine's vector path (vdpbf16ps, or FMAs on
+    widened bf16) and on the 8-wide widening build (PR_GEMM_VEC8), which must agree."""
+    from pagedrun import cpu_build
+
+    g = _gen(31 + m)
+    i, k = 2 * kern.panel * 3, 576
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(2 * i, k, generator=g) * 2 / k**0.5).bfloat16()
+    b = torch.randn(2 * i, generator=g).bfloat16()
+    packed, b_packed = ops.pack_gate_up(w, b)
+    amx = kern.lib.packed_gemm_amx(-1)
+    try:
+        kern.lib.packed_gemm_amx(0)
+        got = ops.gate_up_silu(x, packed, b_packed, i)
+        want = ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i))
+    finally:
+        kern.lib.packed_gemm_amx(amx)
+    assert torch.equal(got, want)
+    narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
+    p = narrow.panel
+    w8, b8 = ops._interleave(w, p), ops._interleave(b, p)  # gate/up panels of 16 columns, interleaved
+    packed8 = w8.view(2 * i // p, p, k // 2, 2).transpose(1, 2).contiguous()
+    out8 = torch.empty(m, i, dtype=torch.bfloat16)
+    assert narrow.op("linear_packed_silu", torch.bfloat16)(
+        x.data_ptr(), packed8.data_ptr(), b8.data_ptr(), out8.data_ptr(), m, i, k, k, i, 2) == 0
+    assert torch.equal(out8, got)
+
+
 def test_gate_up_not_a_multiple_of_the_panel_stays_plain(kern):
     w = torch.randn(2 * (kern.panel + 1), 64)
     assert ops.pack_gate_up(w, None) is None

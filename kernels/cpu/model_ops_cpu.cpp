@@ -345,15 +345,38 @@ PR_EXPORT int packed_gemm_amx(int on) {
 #endif
 }
 
-// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T (+ bias), all bf16 (uint16 bits),
-// w packed in k pairs: [ceil(N / kPanel), K / 2, kPanel] int32 words. K must be even.
-PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
-                                 int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
-  if (M < 0 || N <= 0 || K <= 0 || K % 2 || ldx < K || ldo < N) return -1;
-  if (num_threads < 1) num_threads = 1;
-#ifdef PR_HAVE_AMX
-  if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
-#endif
+template <typename T>
+int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
+                 int num_threads);  // with the elementwise ops below
+
+// Panel q's columns (fewer than kPanel in a partial last panel) of rows [0, rows) of a chunk of x,
+// as the vector path reads it (bf16, or fp32 widened), into out (row 0's first column of the panel).
+inline void bf16_panel_rows(const Bf16XRow* xr, int64_t ldxr, int64_t rows, const int32_t* packed, int64_t q,
+                            int64_t K2, int64_t N, const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
+  const int32_t* panel = packed + q * K2 * kPanel;
+  if (!kBf16Dot && rows >= kWidenPanelRows) {
+    bf16_panel_widened(reinterpret_cast<const float*>(xr), ldxr, rows, panel, K2, bias ? bias + n0 : nullptr, out,
+                       ldo, cols);
+    return;
+  }
+  // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
+  const int64_t tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m = rows * t / tiles;
+    const int mr = int(rows * (t + 1) / tiles - m);
+    bf16_tile_rows<kTileMBf16>(mr, xr + m * ldxr, ldxr, panel, K2, bias ? bias + n0 : nullptr, out + m * ldo, ldo,
+                               cols);
+  }
+}
+
+// linear_packed_bf16 on vectors (vdpbf16ps, or FMAs on widened bf16). With `silu`, out [M, N / 2]
+// gets silu(gate) * up instead (linear_packed_silu's interleaved panels): each thread takes pairs
+// of panels through a small scratch of its own, as the fp32 one does; the same bits as the [M, N]
+// GEMM followed by silu_and_mul, without writing [M, N] and reading it back from both cores.
+inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
+                                  int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads,
+                                  bool silu) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
   // Chunks of whole tiles of the path that runs them: the widening path's are fp32 tiles.
   const int64_t row_chunk = row_chunk_for(M, K, sizeof(Bf16XRow), kBf16Dot ? kTileMBf16 : kTileM);
@@ -364,8 +387,10 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
     // neighbour's L2.
     static thread_local std::vector<float> xw;
     if constexpr (!kBf16Dot) xw.resize(size_t((M < row_chunk ? M : row_chunk) * K));
+    static thread_local std::vector<uint16_t> pair;  // silu: a pair of panels' bf16 outputs
+    if (silu) pair.resize(size_t((M < row_chunk ? M : row_chunk) * 2 * kPanel));
     for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
-      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M;
+      const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M, rows = m1 - m0;
       const Bf16XRow* xr;
       int64_t ldxr;
       // (Both branches compile in this non-template function; the casts are the identity on the
@@ -380,35 +405,41 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
         for (int64_t m = m0; m < m1; ++m) {
           uint64_t* row = reinterpret_cast<uint64_t*>(xw.data() + (m - m0) * K);
           for (int64_t p = 0; p < K / 2; ++p) {
-            uint32_t pair;
-            std::memcpy(&pair, x + m * ldx + 2 * p, 4);
-            row[p] = uint64_t(pair & 0xffff0000u) | (uint64_t(pair & 0xffffu) << 48);
+            uint32_t pair_bits;
+            std::memcpy(&pair_bits, x + m * ldx + 2 * p, 4);
+            row[p] = uint64_t(pair_bits & 0xffff0000u) | (uint64_t(pair_bits & 0xffffu) << 48);
           }
         }
         xr = reinterpret_cast<const Bf16XRow*>(xw.data());
         ldxr = K;
       }
+      if (silu) {
 #pragma omp for schedule(static) nowait
-      for (int64_t q = 0; q < num_panels; ++q) {
-        const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-        const int64_t rows = m1 - m0;
-        if (!kBf16Dot && rows >= kWidenPanelRows) {
-          bf16_panel_widened(reinterpret_cast<const float*>(xr), ldxr, rows, packed + q * K2 * kPanel, K2,
-                             bias ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo, cols);
-          continue;
+        for (int64_t j = 0; j < num_panels / 2; ++j) {
+          bf16_panel_rows(xr, ldxr, rows, packed, 2 * j, K2, N, bias, pair.data(), 2 * kPanel);
+          bf16_panel_rows(xr, ldxr, rows, packed, 2 * j + 1, K2, N, bias, pair.data() + kPanel, 2 * kPanel);
+          silu_and_mul<uint16_t>(pair.data(), out + m0 * ldo + j * kPanel, rows, kPanel, 2 * kPanel, ldo, kPanel, 1);
         }
-        // Rows split into equal tiles of at most kTileMBf16 (64 rows: 6 x 10-11, not 5 x 12 + 4).
-        const int64_t tiles = (rows + kTileMBf16 - 1) / kTileMBf16;
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t m = m0 + rows * t / tiles;
-          const int mr = int(m0 + rows * (t + 1) / tiles - m);
-          bf16_tile_rows<kTileMBf16>(mr, xr + (m - m0) * ldxr, ldxr, packed + q * K2 * kPanel, K2,
-                                     bias ? bias + n0 : nullptr, out + m * ldo + n0, ldo, cols);
-        }
+      } else {
+#pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < num_panels; ++q)
+          bf16_panel_rows(xr, ldxr, rows, packed, q, K2, N, bias, out + m0 * ldo + q * kPanel, ldo);
       }
     }
   }
   return 0;
+}
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) . w^T (+ bias), all bf16 (uint16 bits),
+// w packed in k pairs: [ceil(N / kPanel), K / 2, kPanel] int32 words. K must be even.
+PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
+                                 int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || N <= 0 || K <= 0 || K % 2 || ldx < K || ldo < N) return -1;
+  if (num_threads < 1) num_threads = 1;
+#ifdef PR_HAVE_AMX
+  if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
+#endif
+  return linear_packed_bf16_vec(x, packed, bias, out, M, N, K, ldx, ldo, num_threads, false);
 }
 
 // ---- elementwise ops, float32 and bf16 (uint16 bits) from one template each ----
@@ -576,9 +607,9 @@ int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, in
 // [j * kPanel, (j + 1) * kPanel), panel 2j + 1 up's same columns; bias interleaved alike. I must be
 // a multiple of kPanel. On AMX tiles the activation is the GEMM's epilogue (each thread computes
 // both halves of its output columns, so nothing [M, 2I] is written or read back, nor crosses cores:
-// the plain layout's gate was one core's and its up the other's); in float32 each thread takes
-// pairs of panels through a small scratch; in bf16 off the tiles the GEMM writes the interleaved
-// [M, 2I] into a scratch and silu_and_mul reads it. The bits of GEMM then silu_and_mul either way.
+// the plain layout's gate was one core's and its up the other's); off the tiles each thread takes
+// pairs of panels through a small scratch (linear_packed_bf16_vec in bf16). The bits of GEMM then
+// silu_and_mul either way.
 inline int linear_packed_silu(const float* x, const float* packed, const float* bias, float* out, int64_t M,
                               int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
   if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
@@ -605,15 +636,13 @@ inline int linear_packed_silu(const float* x, const float* packed, const float* 
 
 inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const uint16_t* bias, uint16_t* out,
                               int64_t M, int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {
-  if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
+  if (M < 0 || I <= 0 || I % kPanel || K <= 0 || K % 2 || ldx < K || ldo < I) return -1;
   if (M == 0) return 0;
+  if (num_threads < 1) num_threads = 1;
 #ifdef PR_HAVE_AMX
   if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true)) return 0;
 #endif
-  static thread_local std::vector<uint16_t> scratch;  // the calling thread's, kept between calls
-  scratch.resize(size_t(M * 2 * I));
-  const int rc = linear_packed_bf16(x, packed, bias, scratch.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
-  return rc != 0 ? rc : silu_and_mul<uint16_t>(scratch.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
+  return linear_packed_bf16_vec(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true);
 }
 
 #define PR_ELEMENTWISE(SUFFIX, T, W)                                                                            \
