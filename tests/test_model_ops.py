@@ -8,6 +8,8 @@ bias, the in-place residual contract, the fallbacks.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,27 @@ def kern():
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _bf16_vector_paths(kern) -> list[int]:
+    """The bf16 GEMM's vector paths this build has: widened FMAs (0) and, with avx512_bf16,
+    vdpbf16ps (1). The library picks one by timing them; tests run each (_bf16_path)."""
+    from pagedrun import cpu_build
+
+    return [0, 1] if "-mavx512bf16" in cpu_build.machine_flags() else [0]
+
+
+@contextlib.contextmanager
+def _bf16_path(kern, dot: int):
+    """bf16 GEMMs off the AMX tiles, on the vector path `dot` (see _bf16_vector_paths)."""
+    amx, before = kern.lib.packed_gemm_amx(-1), kern.lib.packed_gemm_bf16_dot(-1)
+    try:
+        kern.lib.packed_gemm_amx(0)
+        assert kern.lib.packed_gemm_bf16_dot(dot) == dot
+        yield
+    finally:
+        kern.lib.packed_gemm_bf16_dot(before)
+        kern.lib.packed_gemm_amx(amx)
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 300])
@@ -95,7 +118,7 @@ def test_linear_packed_is_bit_identical_at_every_vector_width(kern):
 @pytest.mark.parametrize("m,n,k", [(1, 1000, 576), (13, 96, 1100), (64, 333, 64), (300, 40, 512)])
 def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     """bf16 weights packed in k pairs: fp32 sums of exact bf16 products, rounded once to bf16. The
-    vdpbf16ps path (avx512_bf16) and the widened-FMA path (every other CPU; the 8-wide build here)
+    vdpbf16ps path (avx512_bf16) and the widened-FMA path (every CPU; the 8-wide build here too)
     add each pair's products in the same order, so they give the same bits, and each output is
     within one bf16 rounding (plus fp32 summation error) of the float64 product."""
     from pagedrun import cpu_build
@@ -107,12 +130,12 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     packed = ops.pack_weight(w)
     assert packed.shape == (-(-n // kern.panel), k // 2, kern.panel, 2) and packed.dtype == torch.bfloat16
     assert torch.equal(ops.unpack_weight(packed, n), w)
-    amx = kern.lib.packed_gemm_amx(-1)
-    try:
-        kern.lib.packed_gemm_amx(0)  # the vector path: AMX tiles sum in their own order (below)
-        got = ops.linear_packed(x, packed, b, n)
-    finally:
-        kern.lib.packed_gemm_amx(amx)
+    outs = []
+    for dot in _bf16_vector_paths(kern):  # off the AMX tiles, which sum in their own order (below)
+        with _bf16_path(kern, dot):
+            outs.append(ops.linear_packed(x, packed, b, n))
+    got = outs[0]
+    assert all(torch.equal(o, got) for o in outs)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     want = x.double() @ w.double().T + b.double()
     # half an ulp of bf16 (2^-8 relative) for the final rounding, plus fp32 summation error
@@ -125,6 +148,21 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     assert narrow.lib.linear_packed_bf16(x.data_ptr(), packed8.contiguous().data_ptr(), b.data_ptr(), out8.data_ptr(),
                                          m, n, k, k, n, 2) == 0
     assert torch.equal(out8, got)
+
+
+def test_bf16_vector_path_choice(kern):
+    """The library times its two bf16 vector paths once and keeps one for the process (a row's
+    result so never depends on the batch around it); asking it to use vdpbf16ps where the build
+    lacks the instruction leaves the widened FMAs."""
+    paths = _bf16_vector_paths(kern)
+    before = kern.lib.packed_gemm_bf16_dot(-1)
+    assert before in paths and kern.bf16_dot == bool(before)
+    try:
+        assert kern.lib.packed_gemm_bf16_dot(1) == (1 if 1 in paths else 0)
+        assert kern.lib.packed_gemm_bf16_dot(0) == 0
+    finally:
+        kern.lib.packed_gemm_bf16_dot(before)
+    assert kern.lib.packed_gemm_bf16_dot(-1) == before
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 576), (16, 64, 32), (17, 96, 1536), (64, 333, 64), (300, 40, 512),
@@ -329,8 +367,9 @@ def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
 @pytest.mark.parametrize("m", [3, 17, 64, 300])  # 300 rows of k = 576: three row chunks
 def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
     """Off the AMX tiles each thread takes pairs of gate/up panels through its own scratch: the bits
-    of the [M, 2I] GEMM then silu_and_mul, on this machine's vector path (vdpbf16ps, or FMAs on
-    widened bf16) and on the 8-wide widening build (PR_GEMM_VEC8), which must agree."""
+    of the [M, 2I] GEMM then silu_and_mul, on each vector path of this build (FMAs on widened bf16,
+    and vdpbf16ps where it has avx512_bf16) and on the 8-wide widening build (PR_GEMM_VEC8), which
+    must all agree."""
     from pagedrun import cpu_build
 
     g = _gen(31 + m)
@@ -339,14 +378,13 @@ def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
     w = (torch.randn(2 * i, k, generator=g) * 2 / k**0.5).bfloat16()
     b = torch.randn(2 * i, generator=g).bfloat16()
     packed, b_packed = ops.pack_gate_up(w, b)
-    amx = kern.lib.packed_gemm_amx(-1)
-    try:
-        kern.lib.packed_gemm_amx(0)
-        got = ops.gate_up_silu(x, packed, b_packed, i)
-        want = ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i))
-    finally:
-        kern.lib.packed_gemm_amx(amx)
-    assert torch.equal(got, want)
+    outs = []
+    for dot in _bf16_vector_paths(kern):
+        with _bf16_path(kern, dot):
+            got = ops.gate_up_silu(x, packed, b_packed, i)
+            assert torch.equal(got, ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i)))
+            outs.append(got)
+    assert all(torch.equal(o, got) for o in outs)
     narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
     p = narrow.panel
     w8, b8 = ops._interleave(w, p), ops._interleave(b, p)  # gate/up panels of 16 columns, interleaved

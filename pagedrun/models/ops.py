@@ -44,8 +44,11 @@ class CpuModelOps:
         self.panel = lib.packed_panel_width()
         lib.linear_packed_bf16.restype = _int
         lib.linear_packed_bf16.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
-        # vdpbf16ps where the CPU has avx512_bf16; fp32 FMAs on widened bf16 otherwise.
-        self.bf16_dot = bool(lib.packed_gemm_has_bf16_dot())
+        # Off the AMX tiles: vdpbf16ps where the CPU has avx512_bf16 and it beats fp32 FMAs on
+        # widened bf16 (timed once: the same bits either way), the widened FMAs otherwise.
+        lib.packed_gemm_bf16_dot.restype = _int
+        lib.packed_gemm_bf16_dot.argtypes = [_int]
+        self.bf16_dot = bool(lib.packed_gemm_bf16_dot(-1))
         # AMX tiles for bf16 GEMMs where the CPU has them (kernels/cpu/amx_bf16.h).
         lib.packed_gemm_amx.restype = _int
         lib.packed_gemm_amx.argtypes = [_int]
