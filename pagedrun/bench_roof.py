@@ -42,7 +42,8 @@ class Roof:
         return {"kind": self.kind, "isa": self.isa, "dtype": self.dtype, "threads": self.threads,
                 "flops_per_s": self.flops, "samples": self.samples,
                 "note": "fma_peak: register-only FMA chains (kernels/cpu/fma_peak.cpp) at the widest vector "
-                        "the CPU kernels are built for; bf16 uses vdpbf16ps where the CPU has avx512_bf16"}
+                        "the CPU kernels are built for; bf16: AMX tiles where the CPU has them, else the "
+                        "higher of vdpbf16ps (avx512_bf16) and the fp32 FMAs"}
 
 
 def matmul_flops_per_s(dtype: str, device: str, quick: bool) -> float:

@@ -37,6 +37,27 @@ def test_fma_peak_counts_the_isa_it_was_built_for():
         assert bf16["flops_per_s"] > 4 * fp32["flops_per_s"]
 
 
+@pytest.mark.parametrize("dot,fmas,want", [(100.0, 200.0, "FMAs"), (300.0, 200.0, "vdpbf16ps")])
+def test_bf16_roof_without_amx_is_the_faster_of_its_two_arithmetics(monkeypatch, dot, fmas, want):
+    """With avx512_bf16 and no AMX the bf16 GEMM takes vdpbf16ps or FMAs on widened bf16, whichever
+    is faster on the machine (kernels/cpu/bf16_gemm.h), so the roof is the higher of the two: on a
+    Sapphire Rapids-class core vdpbf16ps's alone was half the FMAs' (an engine could pass 100%)."""
+    from pagedrun import fma_peak
+
+    class Lib:  # a build with vdpbf16ps and no tiles, whatever this machine has
+        fma_peak_run = staticmethod(lambda *a: 0.0)
+        fma_peak_lanes = staticmethod(lambda: 16)
+        fma_peak_has_bf16_dot = staticmethod(lambda: 1)
+        fma_peak_has_amx = staticmethod(lambda: 0)
+
+    monkeypatch.setattr(fma_peak.cpu_build, "build", lambda source: source)
+    monkeypatch.setattr(fma_peak.ctypes, "CDLL", lambda path: Lib())
+    monkeypatch.setattr(fma_peak, "_best_rate", lambda lib, threads, bf16, seconds: dot if bf16 else fmas)
+    m = fma_peak.measure("bfloat16", 2)
+    assert m["flops_per_s"] == max(dot, fmas) and want in m["isa"] and m["bf16_dot"] is True
+    assert fma_peak.measure("float32", 2)["flops_per_s"] == fmas
+
+
 def test_machine_flags_follow_cpuinfo(monkeypatch):
     monkeypatch.delenv("PAGEDRUN_KERNEL_ISA", raising=False)  # no cap: the cpuinfo alone decides
     base = "flags : fpu sse2 avx2 fma f16c"
