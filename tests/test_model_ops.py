@@ -28,7 +28,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _bf16_vector_paths(kern) -> list[int]:
+def _bf16_vector_paths() -> list[int]:
     """The bf16 GEMM's vector paths this build has: widened FMAs (0) and, with avx512_bf16,
     vdpbf16ps (1). The library picks one by timing them; tests run each (_bf16_path)."""
     from pagedrun import cpu_build
@@ -131,7 +131,7 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     assert packed.shape == (-(-n // kern.panel), k // 2, kern.panel, 2) and packed.dtype == torch.bfloat16
     assert torch.equal(ops.unpack_weight(packed, n), w)
     outs = []
-    for dot in _bf16_vector_paths(kern):  # off the AMX tiles, which sum in their own order (below)
+    for dot in _bf16_vector_paths():  # off the AMX tiles, which sum in their own order (below)
         with _bf16_path(kern, dot):
             outs.append(ops.linear_packed(x, packed, b, n))
     got = outs[0]
@@ -154,7 +154,7 @@ def test_bf16_vector_path_choice(kern):
     """The library times its two bf16 vector paths once and keeps one for the process (a row's
     result so never depends on the batch around it); asking it to use vdpbf16ps where the build
     lacks the instruction leaves the widened FMAs."""
-    paths = _bf16_vector_paths(kern)
+    paths = _bf16_vector_paths()
     before = kern.lib.packed_gemm_bf16_dot(-1)
     assert before in paths and kern.bf16_dot == bool(before)
     try:
@@ -379,7 +379,7 @@ def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
     b = torch.randn(2 * i, generator=g).bfloat16()
     packed, b_packed = ops.pack_gate_up(w, b)
     outs = []
-    for dot in _bf16_vector_paths(kern):
+    for dot in _bf16_vector_paths():
         with _bf16_path(kern, dot):
             got = ops.gate_up_silu(x, packed, b_packed, i)
             assert torch.equal(got, ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i)))

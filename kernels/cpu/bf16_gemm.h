@@ -194,15 +194,16 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
   // Chunks of whole tiles of the path that runs them: the widening path's are fp32 tiles.
   const int64_t row_chunk = row_chunk_for(M, K, sizeof(Bf16XRow<Dot>), Dot ? kTileMBf16 : kTileM);
+  const int64_t chunk_rows = M < row_chunk ? M : row_chunk;
 #pragma omp parallel num_threads(num_threads)
   {
     // The widening path's fp32 copy of a chunk of rows: each thread its own, kept between calls.
     // Widened by one thread for all, it left the other waiting and fetching the copy from its
     // neighbour's L2.
     static thread_local std::vector<float> xw;
-    if constexpr (!Dot) xw.resize(size_t((M < row_chunk ? M : row_chunk) * K));
+    if constexpr (!Dot) xw.resize(size_t(chunk_rows * K));
     static thread_local std::vector<uint16_t> pair;  // silu: a pair of panels' bf16 outputs
-    if (silu) pair.resize(size_t((M < row_chunk ? M : row_chunk) * 2 * kPanel));
+    if (silu) pair.resize(size_t(chunk_rows * 2 * kPanel));
     for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
       const int64_t m1 = m0 + row_chunk < M ? m0 + row_chunk : M, rows = m1 - m0;
       const Bf16XRow<Dot>* xr;
