@@ -13,7 +13,9 @@ into a temporary folder) and once on this tree, the order swapped every round so
 of the host weighs on both. Prints each run's out tok/s, the median ratio this tree / REF, and
 whether pagedrun's greedy tokens agree between the two (the bench JSON keeps every output).
 Writes DIR/ref_<i>.json and DIR/tree_<i>.json (default benchmarks/results/ab). Runs on a CPU or
-a GPU, whichever the bench picks; needs git and REF in this clone's history.
+a GPU, whichever the bench picks; needs git and REF in this clone's history, or REF a folder that
+already holds pagedrun/ and kernels/ (a lent machine's copy of the tree may carry no history:
+export there beforehand with `git archive REF pagedrun kernels | tar -x -C FOLDER`).
 """
 from __future__ import annotations
 
@@ -80,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, bench_args = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("ref", help="a commit, tag or branch of this clone")
+    p.add_argument("ref", help="a commit, tag or branch of this clone, or a folder holding pagedrun/ and kernels/")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     ref_runs, tree_runs = [], []
     with tempfile.TemporaryDirectory(prefix="pagedrun-ab-") as tmp:
-        ref_dir = export(a.ref, Path(tmp))
+        ref_dir = Path(a.ref).resolve() if Path(a.ref, "pagedrun").is_dir() else export(a.ref, Path(tmp))
         for i in range(1, a.rounds + 1):
             order = [("ref", ref_dir), ("tree", ROOT)]
             for side, where in order if i % 2 else order[::-1]:
