@@ -41,6 +41,11 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
+def ref_tree(ref: str, tmp: Path) -> Path:
+    """REF's code: a folder that already holds pagedrun/ as it is, else the commit exported into tmp."""
+    return Path(ref).resolve() if Path(ref, "pagedrun").is_dir() else export(ref, tmp)
+
+
 def run(side: str, where: Path, json_path: Path, bench_args: list[str]) -> dict:
     cmd = [sys.executable, "-m", "pagedrun", "bench", "--engines", "pagedrun", "--json", str(json_path),
            *bench_args]
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     ref_runs, tree_runs = [], []
     with tempfile.TemporaryDirectory(prefix="pagedrun-ab-") as tmp:
-        ref_dir = Path(a.ref).resolve() if Path(a.ref, "pagedrun").is_dir() else export(a.ref, Path(tmp))
+        ref_dir = ref_tree(a.ref, Path(tmp))
         for i in range(1, a.rounds + 1):
             order = [("ref", ref_dir), ("tree", ROOT)]
             for side, where in order if i % 2 else order[::-1]:

@@ -34,3 +34,13 @@ def test_a_differing_request_or_a_missing_one_is_named_by_side_and_run():
 def test_an_unknown_ref_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="git archive no-such-ref"):
         ab_bench.export("no-such-ref", tmp_path)
+
+
+def test_a_folder_ref_is_used_as_it_is_without_git(tmp_path, monkeypatch):
+    # A lent GPU machine's copy of the tree may carry no history: REF exported beforehand.
+    (tmp_path / "old" / "pagedrun").mkdir(parents=True)
+    monkeypatch.setattr(ab_bench, "export", lambda ref, into: pytest.fail("git archive called"))
+    assert ab_bench.ref_tree(str(tmp_path / "old"), tmp_path / "x") == (tmp_path / "old").resolve()
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="git archive"):  # a folder without pagedrun/ is a git ref
+        ab_bench.ref_tree(str(tmp_path), tmp_path / "y")
