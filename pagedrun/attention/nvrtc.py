@@ -48,6 +48,7 @@ def load() -> ctypes.CDLL:
     tried = []
     for path in library_candidates():
         try:
+            _preload_builtins(path)
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             tried.append(f"{path}: {e}")
@@ -56,6 +57,20 @@ def load() -> ctypes.CDLL:
         return lib
     hint = "; ".join(tried) if tried else "none found"
     raise NvrtcError(f"libnvrtc not available ({hint}): pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
+
+
+def _preload_builtins(path: str) -> None:
+    """libnvrtc dlopens its helper libnvrtc-builtins by soname at the first compile; the 13.0 wheel's
+    libnvrtc has no RUNPATH, so that lookup misses the wheel's own folder (NVRTC_ERROR_BUILTIN_
+    OPERATION_FAILURE). Loaded first, globally, from beside it, the soname is already resolved."""
+    for helper in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*")), reverse=True):
+        if ".alt." in helper:
+            continue
+        try:
+            ctypes.CDLL(helper, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue  # a toolkit's own layout finds it by itself; the compile says so if not
+        return
 
 
 def _declare(lib: ctypes.CDLL) -> None:
