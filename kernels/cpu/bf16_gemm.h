@@ -247,7 +247,7 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
 // in the same order, so the same bits (tests/test_model_ops.py), and the choice is speed alone,
 // which depends on the core: on a Sapphire Rapids-class Xeon with its tiles off, widening took
 // 0.71-0.79x vdpbf16ps's time at 16-2,048 rows (docs/cpu-model-ops.md, thirteenth round), while
-// on the AMD EPYC where issue 14 was measured vdpbf16ps ran bf16 at 1.7x fp32's speed. So it is
+// on a Zen 4 EPYC it took 1.6-2.3x at 16-1,024 rows (fourteenth round). So it is
 // timed, once per process, on a small GEMM bound by arithmetic (~1 ms); vdpbf16ps stays unless
 // widening is clearly faster.
 inline bool bf16_dot_measured_faster() {
