@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import random
 
+import pytest
 import torch
 
 from pagedrun.kv.block_pool import BlockPool
@@ -21,13 +22,15 @@ def resident_pages(addr: int, length: int) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
-def test_populates_a_prefix_of_blocks_in_every_plane():
-    # 2 layers x (K, V) x 512 blocks x 16 KiB: 64 MiB in a fresh anonymous mapping of its own, so
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_populates_a_prefix_of_blocks_in_every_plane(threads):
+    # 3 layers x (K, V) x 512 blocks x 16 KiB: 96 MiB in a fresh anonymous mapping of its own, so
     # no page is resident until written (torch.empty may reuse heap memory other tests touched).
-    shape = (2, 2, 512, 16, 4, 64)
-    mapping = mmap.mmap(-1, 4 * 2 * 2 * 512 * 16 * 4 * 64)
+    # 6 planes over 1, 2 or 3 threads (each thread takes every threads-th plane).
+    shape = (3, 2, 512, 16, 4, 64)
+    mapping = mmap.mmap(-1, 4 * 3 * 2 * 512 * 16 * 4 * 64)
     cache = torch.frombuffer(mapping, dtype=torch.float32).view(shape)
-    pop = CachePopulator([cache], chunk_blocks=8)
+    pop = CachePopulator([cache], chunk_blocks=8, threads=threads)
     if not pop.active:  # a kernel before 5.14: the populator must say so and do nothing
         assert pop.disabled_reason and pop.populated == 0
         return

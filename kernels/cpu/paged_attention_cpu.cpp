@@ -23,6 +23,7 @@
 // torch or raises); nothing is written in that case.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <cstring>
@@ -124,13 +125,16 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 // below, so the requests stay spread over the chunk's arithmetic: issued in bursts (a head's share
 // of the chunk at once, as before) they filled the core's line-fill buffers, and the arithmetic
 // waited behind them (bf16 decode: 9.7 ms of a 26.6 ms step was memory alone, the rest did not overlap it).
+// Into L2 (prefetcht1), not L1: a chunk's K and V (24-48 KiB) and the next one's do not fit a 32 KiB
+// L1 together; on a Zen 4 core 30 layers of cold fp32 decode ran 0.87-0.90x the time (docs/cpu-
+// attention.md). The last chunk of an item asks for the first chunk of the thread's next item.
 struct Prefetcher {
   const char *k = nullptr, *v = nullptr;  // the current row's slice, in K and in V
   int64_t stride = 0, bytes = 0, rows = 0, off = 0;
   int per_step = 1;  // lines of K (and of V) per step: the chunk's lines over the steps its loops take
   inline void line() {
-    __builtin_prefetch(k + off);
-    __builtin_prefetch(v + off);
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
     if ((off += 64) >= bytes) {
       off = 0;
       k += stride;
@@ -429,7 +433,7 @@ struct Scratch {
 template <typename T, typename KV>
 void attend_item(const Item& it, T* out, const T* query, const typename KV::E* key_cache,
                  const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, Scratch& sc,
-                 const KV& kr, const KV& vr, bool tiles) {
+                 const KV& kr, const KV& vr, bool tiles, const Item* next_item) {
   using E = typename KV::E;
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
   const int64_t head_rows = it.ntok * group;  // rows per kv head
@@ -470,8 +474,6 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   std::fill(m, m + rows, -__builtin_inff());
   std::fill(l, l + rows, 0.0f);
 
-  // Bytes of one chunk row this item reads: its heads' slice of a cache row.
-  const int64_t slice_off = it.kv0 * hd, slice_bytes = (it.kv1 - it.kv0) * hd * (int64_t)sizeof(E);
   const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
   if (amx) {
 #ifdef PR_ATTENTION_AMX
@@ -485,20 +487,24 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
       // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
       // this one computes, a line at a time from inside its loops (Prefetcher above); what they did
-      // not reach is asked for at the chunk's end.
+      // not reach is asked for at the chunk's end. After the item's last chunk comes the first of the
+      // thread's next item (its heads' slice of the rows; the cost above for the steps is this one's).
       Prefetcher pf;
-      if (p0 + n < end) {
-        const int64_t q0 = p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
-        const int64_t nrow0 = ((int64_t)table[nb] * sh.block_size + noff) * tok_stride + slice_off;
+      const bool last_chunk = p0 + n >= end;
+      const Item* pit = last_chunk ? next_item : &it;
+      if (pit) {
+        const int64_t q0 = last_chunk ? 0 : p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
+        const int32_t* ptable = block_tables + pit->seq * sh.table_stride;
+        const int64_t nrow0 = ((int64_t)ptable[nb] * sh.block_size + noff) * tok_stride + pit->kv0 * hd;
         pf.k = reinterpret_cast<const char*>(key_cache + nrow0);
         pf.v = reinterpret_cast<const char*>(value_cache + nrow0);
         pf.stride = tok_stride * (int64_t)sizeof(E);
-        pf.bytes = slice_bytes;
-        pf.rows = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, end - q0});
+        pf.bytes = (pit->kv1 - pit->kv0) * hd * (int64_t)sizeof(E);
+        pf.rows = std::min<int64_t>({kKeysPerChunk, sh.block_size - noff, pit->pos0 + pit->ntok - q0});
         // Steps the loops below will take for this chunk: per kv head and pass of up to kMaxGroupRows
         // rows, one per 4 keys scored and one per key summed (a little less for a lone row).
         const int64_t passes = (it.kv1 - it.kv0) * it.ntok * ((group + kMaxGroupRows - 1) / kMaxGroupRows);
-        const int64_t steps = passes * (n / 4 + n), lines = pf.rows * ((slice_bytes + 63) / 64);
+        const int64_t steps = passes * (n / 4 + n), lines = pf.rows * ((pf.bytes + 63) / 64);
         pf.per_step = int(steps > 0 ? (lines + steps - 1) / steps : 1);
       }
       for (int64_t h = it.kv0; h < it.kv1; ++h) {
@@ -582,6 +588,7 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const typename 
   tiles = attention_amx_usable<T, KV>(sh.head_size) &&
           std::any_of(items.begin(), items.end(), [](const Item& it) { return it.ntok >= 2; });
 #endif
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && count > 1)
   {
     Scratch sc;
@@ -589,9 +596,14 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const typename 
 #ifdef PR_ATTENTION_AMX
     if (tiles) amx_configure();  // per thread
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i)
-      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr, tiles);
+    // Items handed out one at a time (a dynamic schedule), each thread claiming its next item before it
+    // starts the current one, so the current one's last chunk can prefetch the next one's first.
+    for (int64_t i = next.fetch_add(1); i < count;) {
+      const int64_t j = next.fetch_add(1);
+      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr, tiles,
+                         j < count ? &items[j] : nullptr);
+      i = j;
+    }
 #ifdef PR_ATTENTION_AMX
     if (tiles) _tile_release();
 #endif

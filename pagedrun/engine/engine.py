@@ -113,7 +113,8 @@ class LLMEngine:
                                         self.dtype, self.device, self.kv_spec,
                                         (recipe.cache.k_scale, recipe.cache.v_scale))
         cap_torch_memory(self.memory, self.device)
-        self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors])
+        self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
+                                        threads=torch.get_num_threads())
         self._scales_checked = self.cache_engine.layer_scales is None
         self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
                                  enable_prefix_caching=recipe.cache.enable_prefix_caching,
