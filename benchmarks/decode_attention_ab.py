@@ -1,0 +1,105 @@
+"""The CPU decode attention kernel against itself at another commit, alternated in one process.
+
+    python3 benchmarks/decode_attention_ab.py REF [--block-size 16] [--seqs 48] [--dtype float32]
+
+Builds kernels/cpu/paged_attention_cpu.cpp twice, as REF has it (git show) and as this tree has it,
+with the flags the engine uses (pagedrun.cpu_build), loads both and times paged_attention_decode
+over 30 layers of their own caches, the default model's heads (9 query, 3 KV, head size 64), one
+query per sequence, contexts of 120-380 tokens, blocks in random order: 30 x 18 MiB (fp32, 48
+sequences) is more than the L3 holds, so every layer's K/V comes from memory, as in a decode step.
+Prints the median time of each, the K/V read rate (bytes the contexts hold / time) and whether the
+two produce the same bits. Timings alternate, so a drift of the machine weighs on both.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedrun import cpu_build
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 9, 3, 64, 30
+DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
+
+
+def decode_fn(kernel_dir: Path):
+    lib = ctypes.CDLL(str(cpu_build.build(kernel_dir / "paged_attention_cpu.cpp")))
+    fn = lib.paged_attention_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
+        [ctypes.c_void_p] * 2
+    return fn
+
+
+def export_ref(ref: str, into: Path) -> Path:
+    """REF's kernels/cpu (the source and the headers it includes) under `into`."""
+    out = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kernels/cpu"], capture_output=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"decode_attention_ab: git archive {ref}: {out.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=out.stdout, check=True)
+    return into / "kernels" / "cpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ref")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seqs", type=int, default=48)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    dtype, code = DTYPES[args.dtype]
+    bs, nseq = args.block_size, args.seqs
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(120, 380, (nseq,), generator=g).to(torch.int32)
+    per_seq = [(int(n) + bs - 1) // bs for n in lens]
+    num_blocks, stride = sum(per_seq), max(per_seq)
+    layers = []
+    for _ in range(LAYERS):
+        k = torch.randn(num_blocks, bs, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
+        v = torch.randn(num_blocks, bs, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
+        perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+        table = torch.zeros(nseq, stride, dtype=torch.int32)
+        for i, start in enumerate([0, *torch.tensor(per_seq).cumsum(0).tolist()[:-1]]):
+            table[i, :per_seq[i]] = perm[start:start + per_seq[i]]
+        layers.append((torch.randn(nseq, HEADS, HEAD_SIZE, generator=g).to(dtype), k, v, table))
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_SIZE * 2 * layers[0][1].element_size() * LAYERS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = {"ref": decode_fn(export_ref(args.ref, Path(tmp))), "tree": decode_fn(ROOT / "kernels" / "cpu")}
+    outs = {name: [torch.empty(nseq, HEADS, HEAD_SIZE, dtype=dtype) for _ in range(LAYERS)] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+
+    def run(name: str) -> None:
+        fn, t = fns[name], time.perf_counter()
+        for (q, k, v, table), out in zip(layers, outs[name]):
+            rc = fn(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                    nseq, HEADS, KV_HEADS, HEAD_SIZE, bs, num_blocks, stride, HEADS * HEAD_SIZE,
+                    HEADS * HEAD_SIZE, HEAD_SIZE ** -0.5, code, args.threads, 0, None, None)
+            if rc:
+                raise SystemExit(f"decode_attention_ab: paged_attention_decode returned {rc} ({name})")
+        times[name].append(time.perf_counter() - t)
+
+    for r in range(args.rounds):
+        for name in (("ref", "tree") if r % 2 == 0 else ("tree", "ref")):
+            run(name)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    same = all(torch.equal(a, b) for a, b in zip(outs["ref"], outs["tree"]))
+    print(f"block {bs}, {nseq} sequences, {args.dtype}, {args.threads} threads, {LAYERS} layers, "
+          f"{kv_bytes / 2**20:.0f} MiB of K/V; medians of {args.rounds}:")
+    for name in ("ref", "tree"):
+        print(f"  {name:4s} {med[name] * 1e3:8.2f} ms  {kv_bytes / med[name] / 1e9:5.1f} GB/s")
+    print(f"  tree / ref time {med['tree'] / med['ref']:.3f}; same bits: {same}")
+
+
+if __name__ == "__main__":
+    main()
