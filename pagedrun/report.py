@@ -86,6 +86,7 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         "kv_capacity": {"blocks": m.num_gpu_blocks, "block_size": bs, "tokens": m.token_capacity,
                         "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token,
                         "kv_cache_dtype": m.kv_cache_dtype},
+        "kv_pages_committed": _pages_committed(engine, bb),
         "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
                           "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
                           "cached_free_peak": max((s.blocks_cached_free for s in steps), default=0)},
@@ -170,6 +171,11 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "kv_capacity.bytes": (D, "blocks x block_bytes"),
     "kv_capacity.bytes_per_token": (D, "block_bytes / block_size"),
     "kv_capacity.kv_cache_dtype": (D, "cache.kv_cache_dtype resolved: auto = the model's dtype, fp8 = fp8_e4m3"),
+    "kv_pages_committed.blocks": (M, "blocks whose memory the kernel committed ahead of first use "
+                                     "(kv/populate.py); 0 where that is off (a GPU, an old kernel)"),
+    "kv_pages_committed.bytes": (D, "blocks x block_bytes"),
+    "kv_pages_committed.seconds": (M, "wall time committing them, inside the run (vLLM zeroes its cache "
+                                      "at load)"),
     "blocks_in_use.peak": (M, "max over steps of blocks with ref_cnt > 0 after the step"),
     "blocks_in_use.mean": (D, "mean over steps of blocks in use"),
     "blocks_in_use.peak_fraction_of_capacity": (D, "peak / kv_capacity.blocks"),
@@ -219,6 +225,12 @@ def _leaves(d: dict, prefix: str = ""):
             yield from _leaves(v, path + ".")
         else:
             yield path
+
+
+def _pages_committed(engine, block_bytes: int) -> dict:
+    pop = getattr(engine, "populator", None)
+    blocks = pop.blocks_committed if pop is not None else 0
+    return {"blocks": blocks, "bytes": blocks * block_bytes, "seconds": pop.seconds if pop is not None else 0.0}
 
 
 def _provenance(report: dict) -> dict[str, str]:
@@ -272,6 +284,10 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("KV capacity", f"{cap['blocks']:,} blocks x {cap['block_size']} = {cap['tokens']:,} tokens ({_mib(cap['bytes'])})"),
         *([("KV dtype", f"{cap['kv_cache_dtype']}, {cap['bytes_per_token']:,} B per token")]
           if cap.get("kv_cache_dtype") else []),
+        *([("KV pages committed", f"{report['kv_pages_committed']['blocks']:,} blocks "
+                                  f"({_mib(report['kv_pages_committed']['bytes'])}) in "
+                                  f"{report['kv_pages_committed']['seconds']:.2f} s")]
+          if report.get("kv_pages_committed", {}).get("blocks") else []),
         ("KV blocks in use", f"peak {b['peak']:,} ({_pct(b['peak_fraction_of_capacity'])} of capacity), "
                              f"mean {b['mean']:,.1f}"),
         ("KV utilisation", f"{_pct(u['tokens_stored_over_slots_allocated'])} of allocated slots hold KV "

@@ -48,6 +48,7 @@ def test_populates_a_prefix_of_blocks_in_every_plane(threads):
         assert not any(resident_pages(far, 64 * block_bytes))
     pop.ensure(10_000)
     assert pop.populated == 512
+    assert pop.blocks_committed == 512 and pop.seconds > 0  # what `pagedrun bench` reports
 
 
 def test_high_water_mark_covers_every_block_ever_used():

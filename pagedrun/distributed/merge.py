@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -19,6 +20,8 @@ class ReplicaRecord:
     batches: int = 0
     steps: list = field(default_factory=list)
     results: list = field(default_factory=list)
+    pages_blocks: int = 0  # KV blocks the replica's engines committed ahead of use (kv/populate.py)
+    pages_s: float = 0.0
 
     def add(self, stats: dict) -> None:
         self.memory = stats["memory"]
@@ -27,6 +30,9 @@ class ReplicaRecord:
         self.busy_s += stats["busy_s"]
         self.batches += 1
         self.steps += stats["steps"]
+        blocks, seconds = stats.get("pages_committed", (0, 0.0))
+        self.pages_blocks += blocks
+        self.pages_s += seconds
 
 
 @dataclass
@@ -35,6 +41,7 @@ class _EngineView:
     steps: list
     memory: Any
     max_model_len: int
+    populator: Any = None
 
 
 _SUMMED = (("num_requests",), ("num_errors",), ("num_steps",), ("throughput", "output_tokens"),
@@ -42,7 +49,8 @@ _SUMMED = (("num_requests",), ("num_errors",), ("num_steps",), ("throughput", "o
            ("prefix_cache", "query_tokens"), ("prefix_cache", "hit_tokens"), ("prefix_cache", "cow_copies"),
            ("preemptions", "recompute"), ("preemptions", "swap"), ("preemptions", "swap_fallbacks"),
            ("swap", "in_blocks"), ("swap", "out_blocks"), ("kv_capacity", "blocks"), ("kv_capacity", "tokens"),
-           ("kv_capacity", "bytes"), ("blocks_in_use", "peak"))
+           ("kv_capacity", "bytes"), ("blocks_in_use", "peak"), ("kv_pages_committed", "blocks"),
+           ("kv_pages_committed", "bytes"), ("kv_pages_committed", "seconds"))
 
 
 def _get(d: dict, path: tuple[str, ...]):
@@ -62,7 +70,8 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
 
     replicas = []
     for rec in records:
-        view = _EngineView(rec.steps, rec.memory, rec.max_model_len)
+        view = _EngineView(rec.steps, rec.memory, rec.max_model_len,
+                           SimpleNamespace(blocks_committed=rec.pages_blocks, seconds=rec.pages_s))
         rep = build_report(view, sorted(rec.results, key=lambda o: o.index), wall_s=rec.busy_s, load_s=rec.load_s,
                            interrupted=interrupted)
         replicas.append({"replica": rec.replica, "node": rec.node, "pid": rec.pid, "device": rec.device,
