@@ -123,10 +123,10 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
         row.update(engine=spec["engine"], config=spec["config"])
         finish_row(row, requests, params, roof.flops)  # redone below against the final roof
         rows.append(row)
-        # pagedrun commits KV pages as blocks are first used, inside its timed run; vLLM at load.
-        populate = f" (of which KV pages committed {row['kv_populate_s']:.2f} s)" if row.get("kv_populate_s") else ""
-        console.print(f"  {spec['engine']} ({spec['config']}): {row['wall_s']:.2f} s{populate}, "
+        console.print(f"  {spec['engine']} ({spec['config']}): {row['wall_s']:.2f} s, "
                       f"{row['output_tokens_per_s']:,.1f} out tok/s, load {row['load_s']:.1f} s", highlight=False)
+        if row.get("kv_populate_s"):  # inside pagedrun's timed run; vLLM zeroes its cache at load
+            console.print(f"    of which committing KV pages: {row['kv_populate_s']:.2f} s", highlight=False)
 
     # The roof is timed again after the engines and the higher of the two is used: on a shared VM the
     # same loop moved by 10-25% between minutes, and a roof caught in a slow minute would flatter
