@@ -126,8 +126,8 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 // of the chunk at once, as before) they filled the core's line-fill buffers, and the arithmetic
 // waited behind them (bf16 decode: 9.7 ms of a 26.6 ms step was memory alone, the rest did not overlap it).
 // Into L2 (prefetcht1), not L1: a chunk's K and V (24-48 KiB) and the next one's do not fit a 32 KiB
-// L1 together; on a Zen 4 core 30 layers of cold fp32 decode ran 0.87-0.90x the time (docs/cpu-
-// attention.md). The last chunk of an item asks for the first chunk of the thread's next item.
+// L1 together. The last chunk of an item asks for the first chunk of the thread's next item. Both:
+// 0.79-0.82x the time of 30 cold layers of decode on a Zen 4 (docs/cpu-attention.md).
 struct Prefetcher {
   const char *k = nullptr, *v = nullptr;  // the current row's slice, in K and in V
   int64_t stride = 0, bytes = 0, rows = 0, off = 0;
