@@ -228,9 +228,8 @@ def _leaves(d: dict, prefix: str = ""):
 
 
 def _pages_committed(engine, block_bytes: int) -> dict:
-    pop = getattr(engine, "populator", None)
-    blocks = pop.blocks_committed if pop is not None else 0
-    return {"blocks": blocks, "bytes": blocks * block_bytes, "seconds": pop.seconds if pop is not None else 0.0}
+    pop = engine.populator  # kv/populate.py's CachePopulator, or what a Ray replica reported of it
+    return {"blocks": pop.blocks_committed, "bytes": pop.blocks_committed * block_bytes, "seconds": pop.seconds}
 
 
 def _provenance(report: dict) -> dict[str, str]:

@@ -252,6 +252,7 @@ def _summary_report() -> dict:
     return {
         "cpu_kernels": "off (the cache /home/someone/.cache/pagedrun/kernels is not owned by this user)",
         "kv_capacity": {"blocks": 12_345_678, "block_size": 16, "tokens": 197_530_848, "bytes": 64 * 2**40},
+        "kv_pages_committed": {"blocks": 12_345_678, "bytes": 64 * 2**40, "seconds": 12_345.678},
         "blocks_in_use": {"peak": 12_345_678, "peak_fraction_of_capacity": 1.0, "mean": 9_876_543.2},
         "utilisation": {"tokens_stored_over_slots_allocated": 0.987, "at_peak": 0.999},
         "fragmentation": {"last_block_waste_tokens_mean": 7.5, "last_block_waste_percent": 0.4},
@@ -279,5 +280,5 @@ def test_generate_summary_fits_80_columns_and_folds_a_long_path():
     for s in ("123,456,789,012", "12,345,678", "197,530,848", "9,876,543.2", "1,234,567.8", "1234500.0",
               "(67,108,864.0", "max_model_len=131072;", "123456.78"):
         assert s in words, (s, text)
-    assert "cpu kernels" in text and "contiguous would reserve" in text
+    assert "cpu kernels" in text and "contiguous would reserve" in text and "12345.68" in words
     assert str(path) in re.sub(r"\s+", "", "".join(line[27:] for line in text.splitlines())), text

@@ -41,7 +41,7 @@ class _EngineView:
     steps: list
     memory: Any
     max_model_len: int
-    populator: Any = None
+    populator: Any  # blocks_committed, seconds: what the replica's populators reported
 
 
 _SUMMED = (("num_requests",), ("num_errors",), ("num_steps",), ("throughput", "output_tokens"),
