@@ -483,7 +483,14 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   } else {
     for (int64_t p0 = 0; p0 < end;) {
       const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
-      const int64_t n = std::min<int64_t>({kKeysPerChunk, sh.block_size - off, end - p0});
+      // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
+      // together (attend_rows_tiled) when there are two or more, else one at a time. Tiled rows read
+      // the chunk through fp32 copies (kt, vf), so their chunks may span blocks: at block size 16,
+      // 32 keys halve the softmax updates per key (prompts of 512-2,048 tokens: 0.83-0.91x the time
+      // on a Zen 4, docs/cpu-attention.md); rows read in place keep to one block.
+      const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
+      const bool tiled = it.ntok - t_vis >= 2;
+      const int64_t n = std::min<int64_t>({kKeysPerChunk, tiled ? end - p0 : sh.block_size - off, end - p0});
       const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
       // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
       // this one computes, a line at a time from inside its loops (Prefetcher above); what they did
@@ -508,31 +515,45 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
         pf.per_step = int(steps > 0 ? (lines + steps - 1) / steps : 1);
       }
       for (int64_t h = it.kv0; h < it.kv1; ++h) {
-        const int64_t base = row0 + h * hd;
-        // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
-        // together (attend_rows_tiled) when there are two or more, else one at a time. kp / vp: the
-        // chunk's K and V rows, kstride elements apart, float or bf16 (or fp32 widened into scratch).
-        const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
-        const bool tiled = it.ntok - t_vis >= 2;
-        const int64_t t_alone = tiled ? 0 : it.ntok;
-        auto attend_chunk = [&](const auto* kp, const auto* vp, int64_t kstride) {
-          if (tiled) {
-            // kt = K^T and vf = V in fp32 (vf: the widened rows already there for quantized caches)
-            float* kt = sc.kt.data();
-            float* vf = sc.v.data();
-            const int nv = qk_vectors(n);
-            for (int64_t c = 0; c < n; ++c)
-              for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(kp[c * kstride + d]);
-            for (int64_t d = 0; d < hd; ++d)
-              for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
-            if constexpr (KV::kInPlace)
-              for (int64_t c = 0; c < n; ++c)
-                for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vp[c * kstride + d]);
-            const int64_t r0 = (h - it.kv0) * head_rows;
-            attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
-                              n, nv, hd, &pf);
+        if (tiled) {
+          // kt = K^T and vf = V in fp32, a row at a time from wherever its block is
+          float* kt = sc.kt.data();
+          float* vf = sc.v.data();
+          float* kw = sc.k.data();
+          const int nv = qk_vectors(n);
+          int64_t slots[kKeysPerChunk];
+          for (int64_t c = 0; c < n; ++c) {
+            const int64_t q = p0 + c;
+            slots[c] = (int64_t)table[q / sh.block_size] * sh.block_size + q % sh.block_size;
           }
-          for (int64_t t = 0; t < t_alone; ++t) {
+          if constexpr (KV::kInPlace) {
+            for (int64_t c = 0; c < n; ++c) {
+              const E* krow = key_cache + slots[c] * tok_stride + h * hd;
+              for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = to_f32(krow[d]);
+            }
+            for (int64_t c = 0; c < n; ++c) {
+              const E* vrow = value_cache + slots[c] * tok_stride + h * hd;
+              for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vrow[d]);
+            }
+          } else {
+            for (int64_t c = 0; c < n; ++c) {
+              kr.widen(key_cache + slots[c] * tok_stride + h * hd, kw, hd, slots[c], h);
+              for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = kw[d];
+              vr.widen(value_cache + slots[c] * tok_stride + h * hd, vf + c * hd, hd, slots[c], h);
+            }
+          }
+          for (int64_t d = 0; d < hd; ++d)
+            for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
+          const int64_t r0 = (h - it.kv0) * head_rows;
+          attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
+                            n, nv, hd, &pf);
+          continue;
+        }
+        // One token at a time over the chunk's K and V rows, kstride elements apart: in place (float
+        // or bf16), or widened into scratch.
+        const int64_t base = row0 + h * hd;
+        auto attend_alone = [&](const auto* kp, const auto* vp, int64_t kstride) {
+          for (int64_t t = 0; t < it.ntok; ++t) {
             const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
             if (nr <= 0) continue;
             int64_t r = (h - it.kv0) * head_rows + t * group;
@@ -546,7 +567,7 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           }
         };
         if constexpr (KV::kInPlace) {
-          attend_chunk(key_cache + base, value_cache + base, tok_stride);
+          attend_alone(key_cache + base, value_cache + base, tok_stride);
         } else {
           float* kb = sc.k.data();
           float* vb = sc.v.data();
@@ -555,7 +576,7 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
             kr.widen(key_cache + base + c * tok_stride, kb + c * hd, hd, slot0 + c, h);
             vr.widen(value_cache + base + c * tok_stride, vb + c * hd, hd, slot0 + c, h);
           }
-          attend_chunk(static_cast<const float*>(kb), static_cast<const float*>(vb), hd);
+          attend_alone(static_cast<const float*>(kb), static_cast<const float*>(vb), hd);
         }
       }
       pf.drain();
