@@ -2,7 +2,8 @@
 
     python3 benchmarks/decode_attention_ab.py REF [--block-size 16] [--seqs 48] [--dtype float32]
 
-Builds kernels/cpu/paged_attention_cpu.cpp twice, as REF has it (git show) and as this tree has it,
+Builds kernels/cpu/paged_attention_cpu.cpp twice, as REF has it (a commit exported with git
+archive, or a folder holding pagedrun/ and kernels/, as ab_bench.py takes it) and as this tree has it,
 with the flags the engine uses (pagedrun.cpu_build), loads both and times paged_attention_decode
 over 30 layers of their own caches, the default model's heads (9 query, 3 KV, head size 64), one
 query per sequence, contexts of 120-380 tokens, blocks in random order: 30 x 18 MiB (fp32, 48
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ import torch
 
 from pagedrun import cpu_build
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_bench import ROOT, ref_tree  # noqa: E402  (REF's pagedrun/ and kernels/, as ab_bench takes it)
+
 HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 9, 3, 64, 30
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
 
@@ -36,15 +39,6 @@ def decode_fn(kernel_dir: Path):
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
         [ctypes.c_void_p] * 2
     return fn
-
-
-def export_ref(ref: str, into: Path) -> Path:
-    """REF's kernels/cpu (the source and the headers it includes) under `into`."""
-    out = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kernels/cpu"], capture_output=True, check=False)
-    if out.returncode:
-        raise SystemExit(f"decode_attention_ab: git archive {ref}: {out.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(into)], input=out.stdout, check=True)
-    return into / "kernels" / "cpu"
 
 
 def main() -> None:
@@ -75,7 +69,8 @@ def main() -> None:
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_SIZE * 2 * layers[0][1].element_size() * LAYERS
 
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {"ref": decode_fn(export_ref(args.ref, Path(tmp))), "tree": decode_fn(ROOT / "kernels" / "cpu")}
+        fns = {"ref": decode_fn(ref_tree(args.ref, Path(tmp)) / "kernels" / "cpu"),
+               "tree": decode_fn(ROOT / "kernels" / "cpu")}
     outs = {name: [torch.empty(nseq, HEADS, HEAD_SIZE, dtype=dtype) for _ in range(LAYERS)] for name in fns}
     times: dict[str, list[float]] = {name: [] for name in fns}
 

@@ -20,8 +20,7 @@ class ReplicaRecord:
     batches: int = 0
     steps: list = field(default_factory=list)
     results: list = field(default_factory=list)
-    pages_blocks: int = 0  # KV blocks the replica's engines committed ahead of use (kv/populate.py)
-    pages_s: float = 0.0
+    pages_committed: tuple = (0, 0.0)  # the replica's KV blocks committed ahead of use, and seconds
 
     def add(self, stats: dict) -> None:
         self.memory = stats["memory"]
@@ -30,9 +29,7 @@ class ReplicaRecord:
         self.busy_s += stats["busy_s"]
         self.batches += 1
         self.steps += stats["steps"]
-        blocks, seconds = stats.get("pages_committed", (0, 0.0))
-        self.pages_blocks += blocks
-        self.pages_s += seconds
+        self.pages_committed = stats.get("pages_committed", self.pages_committed)
 
 
 @dataclass
@@ -71,7 +68,7 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
     replicas = []
     for rec in records:
         view = _EngineView(rec.steps, rec.memory, rec.max_model_len,
-                           SimpleNamespace(blocks_committed=rec.pages_blocks, seconds=rec.pages_s))
+                           SimpleNamespace(blocks_committed=rec.pages_committed[0], seconds=rec.pages_committed[1]))
         rep = build_report(view, sorted(rec.results, key=lambda o: o.index), wall_s=rec.busy_s, load_s=rec.load_s,
                            interrupted=interrupted)
         replicas.append({"replica": rec.replica, "node": rec.node, "pid": rec.pid, "device": rec.device,

@@ -25,8 +25,7 @@ class EngineReplica:
         self.batches = 0
         self.init_error: str | None = None
         self.pending_steps: list = []  # StepRecords not yet sent to the driver
-        self.pending_pages = (0, 0.0)  # KV blocks committed and seconds taken, not yet sent
-        self._pages_sent = (0, 0.0)
+        self.pages_before = (0, 0.0)  # KV blocks committed and seconds taken by this replica's earlier engines
         self.llm = None
         t0 = time.perf_counter()
         try:
@@ -41,17 +40,14 @@ class EngineReplica:
 
         if self.llm is not None:  # keep what the old engine measured
             self.pending_steps += self.llm.engine.steps[self._sent:]
-            self.pending_pages = self._pages_since_sent(self.llm.engine)
+            self.pages_before = self._pages_committed()
         self.llm = LLM(self.recipe)
         self._sent = 0
-        self._pages_sent = (0, 0.0)
 
-    def _pages_since_sent(self, engine) -> tuple[int, float]:
-        """pending_pages plus what the engine's populator committed since the last batch's stats."""
-        pop = engine.populator
-        (b0, s0), (b1, s1) = self._pages_sent, self.pending_pages
-        self._pages_sent = (pop.blocks_committed, pop.seconds)
-        return b1 + pop.blocks_committed - b0, s1 + pop.seconds - s0
+    def _pages_committed(self) -> tuple[int, float]:
+        """KV blocks committed ahead of use and the seconds it took, over all of this replica's engines."""
+        pop = self.llm.engine.populator
+        return self.pages_before[0] + pop.blocks_committed, self.pages_before[1] + pop.seconds
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -91,10 +87,9 @@ class EngineReplica:
         engine = self.llm.engine
         steps = self.pending_steps + engine.steps[self._sent:]
         self.pending_steps, self._sent = [], len(engine.steps)
-        pages, self.pending_pages = self._pages_since_sent(engine), (0, 0.0)
         stats = {"replica": self.replica_id, "node": _node(), "pid": os.getpid(), "device": str(engine.device),
                  "memory": engine.memory, "max_model_len": engine.max_model_len, "load_s": self.load_s,
-                 "busy_s": busy_s, "steps": steps, "pages_committed": pages}
+                 "busy_s": busy_s, "steps": steps, "pages_committed": self._pages_committed()}
         by_id = {o.request_id: o for o in outs}
         return {
             "index": np.array(index, dtype=np.int64),
