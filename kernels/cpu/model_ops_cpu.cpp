@@ -37,13 +37,19 @@ namespace {
 // past N. A panel's row k holds column block q's weights for input k, so a tile of MR rows of x times
 // the panel is an outer product per k: two vector loads of weights, MR broadcasts of x, 2 * MR FMAs
 // into 2 * MR accumulators. Panels stream contiguously from memory, so the hardware prefetcher
-// follows them, and each panel slice (kKc rows of k, 16 KiB) stays in L1 beside a tile of x while
-// every row tile of x passes over it. Each output element is one sum over k in increasing order
+// follows them, and each panel slice (kKc rows of k, 16 KiB; 24 in some cases, below) stays in L1
+// beside a tile of x while every row tile of x passes over it. Each output element is one sum over k in increasing order
 // (continued across k-slices through the output itself), so results do not depend on the thread
 // count, the blocking or the vector width.
 
 constexpr int kPanel = 2 * kVec;
 constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
+// With AVX-512 and more than 16 rows, slices of 24 KiB: fewer passes of each tile's accumulators
+// in and out, worth 2-6% from 32 rows on a Zen 4 (which then holds the slice in L1 only in part);
+// at 16 rows and fewer (bound by the weights' bytes) and with AVX2's panels the 16 KiB slices were
+// as fast or faster (docs/cpu-model-ops.md, sixteenth round).
+constexpr int64_t kKcWide = kVec == 16 ? 24576 / (kPanel * 4) : kKc;
+inline int64_t slice_rows_for(int64_t rows) { return rows > 16 ? kKcWide : kKc; }
 constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
 // Up to this many rows (a decode step's) go in one chunk whatever K: a second chunk streams every
 // weight from memory again, which costs more than x's rows spilling from L2 to L3 (fp32, 30 layers
@@ -125,14 +131,15 @@ inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, co
   const float* panel = packed + q * K * kPanel;
   const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
   float scratch[kTileM * kPanel];
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+  const int64_t kc = slice_rows_for(m1 - m0);
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t k1 = k0 + kc < K ? k0 + kc : K;
     const bool first = k0 == 0, last = k1 == K;
     // Next in this thread's stream: the panel's next slice, else the next panel's first (rows
-    // [k1, k1 + kKc) of the packed weight either way: panels are contiguous), shared by the tiles.
+    // [k1, k1 + kc) of the packed weight either way: panels are contiguous), shared by the tiles.
     const float* next = k1 < K || q + 1 < num_panels ? panel + k1 * kPanel : nullptr;
     const int tiles = int((m1 - m0 + kTileM - 1) / kTileM);
-    const int64_t share = (kKc + tiles - 1) / tiles;  // next-slice rows per tile
+    const int64_t share = (kc + tiles - 1) / tiles;  // next-slice rows per tile
     for (int64_t m = m0, t = 0; m < m1; m += kTileM, ++t) {
       const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
       float* c = out + (m - m0) * ldo;
