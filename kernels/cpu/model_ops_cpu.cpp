@@ -38,9 +38,9 @@ namespace {
 // the panel is an outer product per k: two vector loads of weights, MR broadcasts of x, 2 * MR FMAs
 // into 2 * MR accumulators. Panels stream contiguously from memory, so the hardware prefetcher
 // follows them, and each panel slice (kKc rows of k, 16 KiB; 24 in some cases, below) stays in L1
-// beside a tile of x while every row tile of x passes over it. Each output element is one sum over k in increasing order
-// (continued across k-slices through the output itself), so results do not depend on the thread
-// count, the blocking or the vector width.
+// beside a tile of x while every row tile of x passes over it. Each output element is one sum over
+// k in increasing order (continued across k-slices through the output itself), so results do not
+// depend on the thread count, the blocking or the vector width.
 
 constexpr int kPanel = 2 * kVec;
 constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
