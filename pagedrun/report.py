@@ -278,15 +278,14 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     c, cm = report["contiguous"]["request_max"], report["contiguous"]["max_model_len"]
     pc, pre, sw, th, lat = (report["prefix_cache"], report["preemptions"], report["swap"], report["throughput"],
                             report["latency"])
+    kvp = report.get("kv_pages_committed") or {}
     rows = [
         *([("cpu kernels", report["cpu_kernels"])] if report.get("cpu_kernels") else []),
         ("KV capacity", f"{cap['blocks']:,} blocks x {cap['block_size']} = {cap['tokens']:,} tokens ({_mib(cap['bytes'])})"),
         *([("KV dtype", f"{cap['kv_cache_dtype']}, {cap['bytes_per_token']:,} B per token")]
           if cap.get("kv_cache_dtype") else []),
-        *([("KV pages committed", f"{report['kv_pages_committed']['blocks']:,} blocks "
-                                  f"({_mib(report['kv_pages_committed']['bytes'])}) in "
-                                  f"{report['kv_pages_committed']['seconds']:.2f} s")]
-          if report.get("kv_pages_committed", {}).get("blocks") else []),
+        *([("KV pages committed", f"{kvp['blocks']:,} blocks ({_mib(kvp['bytes'])}) in {kvp['seconds']:.2f} s")]
+          if kvp.get("blocks") else []),
         ("KV blocks in use", f"peak {b['peak']:,} ({_pct(b['peak_fraction_of_capacity'])} of capacity), "
                              f"mean {b['mean']:,.1f}"),
         ("KV utilisation", f"{_pct(u['tokens_stored_over_slots_allocated'])} of allocated slots hold KV "

@@ -519,7 +519,6 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           // kt = K^T and vf = V in fp32, a row at a time from wherever its block is
           float* kt = sc.kt.data();
           float* vf = sc.v.data();
-          float* kw = sc.k.data();
           const int nv = qk_vectors(n);
           int64_t slots[kKeysPerChunk];
           for (int64_t c = 0; c < n; ++c) {
@@ -536,6 +535,7 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
               for (int64_t d = 0; d < hd; ++d) vf[c * hd + d] = to_f32(vrow[d]);
             }
           } else {
+            float* kw = sc.k.data();  // one widened K row at a time, then into kt
             for (int64_t c = 0; c < n; ++c) {
               kr.widen(key_cache + slots[c] * tok_stride + h * hd, kw, hd, slots[c], h);
               for (int64_t d = 0; d < hd; ++d) kt[d * kKeysPerChunk + c] = kw[d];
