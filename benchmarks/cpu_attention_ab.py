@@ -26,7 +26,7 @@ args = ap.parse_args()
 torch.set_num_threads(args.threads)
 from pagedrun.bench import resolve_bench_model
 from pagedrun.engine.llm import LLM
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.workloads import make_workload
 model_dir = resolve_bench_model("tiny-llama")

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiny_models import make_tiny_model
 
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
 
     tmp = Path(tempfile.mkdtemp())
     models = {

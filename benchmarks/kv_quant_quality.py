@@ -28,7 +28,7 @@ def prompts() -> list[dict]:
 
 def run(kv_dtype: str, dtype: str, max_tokens: int):
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 
     llm = LLM(load_recipe(None, [f"model.dtype={dtype}", f"cache.kv_cache_dtype={kv_dtype}"]))

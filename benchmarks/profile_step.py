@@ -28,7 +28,7 @@ def main() -> None:
     from pagedrun.attention import torch_backend
     from pagedrun.bench import resolve_bench_model
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
     from pagedrun.workloads import make_workload
 

@@ -53,7 +53,7 @@ def main() -> None:
     from pagedrun.bench_roof import matmul_flops_per_s
     from pagedrun.engine.llm import LLM
     from pagedrun.io.requests import Request
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 
     model_dir = resolve_bench_model(args.model)

@@ -39,7 +39,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
               vllm_python: str | None = None) -> int:
     import torch
 
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
 
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     if isinstance(static_batch_sizes, str):

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from pagedrun.errors import PagedrunError
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 # Shared with the Ray driver (distributed/), so below both; the exit codes (EXIT_*) are defined there.
 from pagedrun.run_output import job_exit_code, open_stream_output, print_summary
 

@@ -19,7 +19,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.kv.profiler import rss_bytes
 from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from pagedrun.tables import results_console
 
 SCHEMA = "pagedrun.profile-memory/1"

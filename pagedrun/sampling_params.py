@@ -134,7 +134,7 @@ def unknown_field_message(name: str, noun: str = "field") -> str:
 
 
 # ---------------------------------------------------------------- field checks
-# Each check returns the normalised value or raises InvalidValue("must be ..."); recipe.py reuses them.
+# Each check returns the normalised value or raises InvalidValue("must be ..."); config/recipe.py reuses them.
 
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python, not here

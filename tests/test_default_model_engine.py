@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedrun.engine.llm import LLM
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 
 MAX_TOKENS = 16
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedrun.engine.llm import LLM
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from pagedrun.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
 

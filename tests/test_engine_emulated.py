@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pagedrun.engine.llm import LLM
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA-on-CPU harness needs g++")

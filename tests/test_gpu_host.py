@@ -417,7 +417,7 @@ from pagedrun.attention.scratch import attention_scratch_bytes  # noqa: E402
 from pagedrun.kv.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
 from pagedrun.kv import torch_cap as TC  # noqa: E402
 from pagedrun.kv.profiler import CudaReadings, cuda_profile  # noqa: E402
-from pagedrun.recipe import CacheConfig  # noqa: E402
+from pagedrun.config.recipe import CacheConfig  # noqa: E402
 
 GiB = 1 << 30
 

@@ -18,7 +18,7 @@ from pagedrun import cli
 from pagedrun.echo import ECHO_CHARS
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import read_requests
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from pagedrun.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
 

@@ -173,7 +173,7 @@ def _prompts(n=10, seed=0):
 
 def _run(model_dir, *sets, prompts=None):
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 
     llm = LLM(load_recipe(None, [f"model.path={model_dir}", "cache.block_size=8", *sets]))

@@ -24,7 +24,7 @@ from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_
 from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import read_config
-from pagedrun.recipe import CacheConfig
+from pagedrun.config.recipe import CacheConfig
 from tiny_models import FAMILIES, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

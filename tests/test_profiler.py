@@ -8,7 +8,7 @@ from pagedrun.attention.registry import make_backend
 from pagedrun.engine.llm import LLM
 from pagedrun.kv import profiler
 from pagedrun.models.loader import load_model
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from tiny_models import make_tiny_model
 
 

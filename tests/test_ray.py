@@ -33,7 +33,7 @@ def job(tmp_path_factory):
     import torch
 
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("ray")
     model = make_tiny_model("llama", root / "model")
@@ -261,7 +261,7 @@ def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error
     from pagedrun.distributed.replica import EngineReplica
     from pagedrun.engine.llm import LLM
     from pagedrun.errors import PagedrunError
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 
     model = make_tiny_model("llama", tmp_path / "model", num_hidden_layers=12, max_position_embeddings=4096)

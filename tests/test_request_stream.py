@@ -19,7 +19,7 @@ WINDOW = 3
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
 
     model = make_tiny_model("llama", tmp_path_factory.mktemp("stream") / "model")
     return LLM(load_recipe(None, [f"model.path={model}", "cache.num_blocks=64", "model.max_model_len=64",

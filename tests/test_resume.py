@@ -39,7 +39,7 @@ def one_thread():
 def job(tmp_path_factory, one_thread):
     """A tiny model, a prompts file and the token ids of an uninterrupted greedy run (in-process)."""
     from pagedrun.engine.llm import LLM
-    from pagedrun.recipe import load_recipe
+    from pagedrun.config.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("resume")
     model = make_tiny_model("llama", root / "model")

@@ -13,7 +13,7 @@ import torch
 
 from pagedrun.engine.llm import LLM
 from pagedrun.errors import PagedrunError
-from pagedrun.recipe import load_recipe
+from pagedrun.config.recipe import load_recipe
 from pagedrun.sampler import Sampler, SamplingRow
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured import grammar as grammar_mod

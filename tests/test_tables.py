@@ -20,7 +20,7 @@ from pagedrun.bench_tables import bench_tables
 from pagedrun.kv.memory import GiB, MiB, plan_memory, requests_fit
 from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
 from pagedrun.profile_memory import plan_json, plan_table
-from pagedrun.recipe import CacheConfig, load_recipe
+from pagedrun.config.recipe import CacheConfig, load_recipe
 from pagedrun.tables import WIDTH, results_console
 
 ROOT = Path(__file__).resolve().parents[1]

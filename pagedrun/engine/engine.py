@@ -30,7 +30,7 @@ from pagedrun.kv.populate import CachePopulator
 from pagedrun.kv.torch_cap import cap_torch_memory, step_out_of_memory
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
-from pagedrun.recipe import Recipe
+from pagedrun.config.recipe import Recipe
 from pagedrun.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.grammar import StructuredOutputManager

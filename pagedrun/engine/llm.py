@@ -19,7 +19,7 @@ from pagedrun.engine.engine import LLMEngine, RequestOutput
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
 from pagedrun.metrics import RunTally, StepRecord
-from pagedrun.recipe import Recipe, load_recipe
+from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.sampling_params import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """The recipe's schema: one check per key, and the size syntax ('2GiB') they accept.
 
-Each check returns the normalised value or raises InvalidValue("must be ..."); recipe.py adds where
+Each check returns the normalised value or raises InvalidValue("must be ..."); config/recipe.py adds where
 the value came from. The sampling section reuses sampling_params' checks, so a bad value reads the
 same in a recipe and in a prompts line.
 """

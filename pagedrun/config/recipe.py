@@ -10,7 +10,7 @@ Every error is one line naming where the bad value came from and its key path:
     recipe.yaml: cache.blok_size: unknown key (did you mean block_size?)
     --set cache.block_size=abc: must be an integer (one of 8, 16, 32)
 
-The per-key checks live in recipe_checks.py, the YAML reading in recipe_yaml.py.
+The per-key checks live in config/checks.py, the YAML reading in config/yaml_loader.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import yaml
 
 from pagedrun.echo import clip, echo
 from pagedrun.errors import PagedrunError
-from pagedrun.recipe_checks import (  # noqa: F401  (BLOCK_SIZES, parse_size: part of this module's API)
+from pagedrun.config.checks import (  # noqa: F401  (BLOCK_SIZES, parse_size: part of this module's API)
     BLOCK_SIZES,
     CHECKS as _CHECKS,
     DEFAULT_CPU_KV_FRACTION,
@@ -33,7 +33,7 @@ from pagedrun.recipe_checks import (  # noqa: F401  (BLOCK_SIZES, parse_size: pa
     model_path as _model_path,
     parse_size,
 )
-from pagedrun.recipe_yaml import DuplicateKey as _DuplicateKey, Loader as _Loader, one_line as _one_line, read_yaml
+from pagedrun.config.yaml_loader import DuplicateKey as _DuplicateKey, Loader as _Loader, one_line as _one_line, read_yaml
 from pagedrun.sampling_params import (
     InvalidValue,
     SamplingParams,
