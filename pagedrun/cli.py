@@ -94,7 +94,7 @@ class StopFlag:
             show_cursor = b"\x1b[?25h" if os.isatty(2) else b""  # the progress bar hid it
             os.write(2, show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
                      "file; run the same command again to resume\n".encode())
-            from pagedrun.io.outputs import exit_when_line_complete
+            from pagedrun.io.writer import exit_when_line_complete
 
             exit_when_line_complete(128 + signum, self._exit_now)
             return

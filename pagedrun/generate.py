@@ -24,8 +24,8 @@ from pagedrun.run_output import job_exit_code, open_stream_output, print_summary
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
                  ray_address: str | None = None, replicas: int | None = None) -> int:
-    from pagedrun.fingerprint import file_sha256
-    from pagedrun.io.outputs import OutputWriter
+    from pagedrun.io.fingerprint import file_sha256
+    from pagedrun.io.writer import OutputWriter
 
     recipe = load_recipe(recipe_path, overrides)
     if not prompts.is_file():
@@ -34,7 +34,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
     # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
     fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
-    # Also checks every path the run will write and takes the output's lock (io/output_files.py).
+    # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
     writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
                           inputs=(prompts, recipe_path), report=recipe.output.report)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
@@ -49,7 +49,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         finally:
             writer.close()
             stop.restore()
-    # Pass 1 over the prompts (io/request_stream.py): a bad line fails here, before the model loads.
+    # Pass 1 over the prompts (io/stream.py): a bad line fails here, before the model loads.
     with console.status("checking requests…", spinner="dots"):
         stream = _check_requests(recipe, prompts, fingerprint["prompts"], skip_invalid, writer)
     if stream.other_models and not quiet:
@@ -79,7 +79,7 @@ def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bo
     """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
     from pagedrun.distributed.driver import request_checker
     from pagedrun.io.openai_batch import BatchJob
-    from pagedrun.io.request_stream import RequestStream
+    from pagedrun.io.stream import RequestStream
 
     tokenizer, cfg, max_model_len = request_checker(recipe)
     # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.output_files import check_derived, is_report, replace_file, report_path
+from pagedrun.io.file_safety import check_derived, is_report, replace_file, report_path
 from pagedrun.metrics import RunTally
 
 M, D = "measured", "derived"
@@ -248,7 +248,7 @@ def _provenance(report: dict) -> dict[str, str]:
 
 def write_report(report: dict, output: Path) -> Path:
     """<output's stem>.report.json, through a temporary file and a rename; refused (one line) if a
-    file pagedrun did not write has appeared there since the run started (io/output_files.py)."""
+    file pagedrun did not write has appeared there since the run started (io/file_safety.py)."""
     path = report_path(output)
     check_derived(path, "report", output, (), is_report)
     try:

@@ -20,7 +20,7 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
     requests by id; what the output already holds is not run again.
     Returns (requests to run, every key in input order)."""
     from pagedrun.engine.llm import invalid_record
-    from pagedrun.io.outputs import invalid_key, request_key
+    from pagedrun.io.writer import invalid_key, request_key
 
     writer.open()
     if writer.discarded and not quiet:
@@ -40,7 +40,7 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
 
 
 def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
-    """open_output for a streamed run (io/request_stream.py): pass 1's error records are written now,
+    """open_output for a streamed run (io/stream.py): pass 1's error records are written now,
     the requests are pulled as the engine runs."""
     writer.open()
     if writer.discarded and not quiet:
@@ -86,7 +86,7 @@ def job_exit_code(writer, order, output: Path, console: Console) -> int:
     """0 when every request of the job has an output, else 3 (some failed) or 4 (all failed), saying
     how many, even with --quiet. Counts the output file, so a resumed job counts its earlier runs."""
     total = failed = 0
-    for k in order:  # may be a generator (io/request_stream.py): read once
+    for k in order:  # may be a generator (io/stream.py): read once
         total += 1
         failed += k in writer.failed
     if not failed:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io import outputs
-from pagedrun.io.outputs import OutputWriter, invalid_key, meta_path, record_key, request_key
+from pagedrun.io import writer as outputs
+from pagedrun.io.writer import OutputWriter, invalid_key, meta_path, record_key, request_key
 
 FP = {"recipe": "r1", "prompts": "p1"}
 

@@ -162,7 +162,7 @@ def test_ray_run_equals_local_run(job, ray_run):
 def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path, monkeypatch):
     """Resume from a partial output, and one replica dies (os._exit) in its second batch: Ray
     restarts it and retries the batch; every request ends up answered exactly once."""
-    from pagedrun.io.outputs import meta_path
+    from pagedrun.io.writer import meta_path
 
     full = ray_run
     # An interrupted job: the first 5 requests are in the output.

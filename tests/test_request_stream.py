@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.outputs import invalid_key, request_key
-from pagedrun.io.request_stream import RequestStream
+from pagedrun.io.writer import invalid_key, request_key
+from pagedrun.io.stream import RequestStream
 from tiny_models import make_tiny_model, write_token_prompts
 
 MAX_NUM_SEQS = 2

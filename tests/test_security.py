@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from pagedrun import build_cache, cli, cpu_build
 from pagedrun.errors import PagedrunError
-from pagedrun.io.outputs import OutputWriter, meta_path
+from pagedrun.io.writer import OutputWriter, meta_path
 from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,7 +375,7 @@ def test_derived_paths_never_replace_files_pagedrun_did_not_write(tmp_path, vict
 
 def test_a_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, prompts):
     out = tmp_path / "o.jsonl"
-    hold = ("import sys, time; from pathlib import Path; from pagedrun.io.outputs import OutputWriter; "
+    hold = ("import sys, time; from pathlib import Path; from pagedrun.io.writer import OutputWriter; "
             f"w = OutputWriter(Path({str(out)!r}), {FP!r}); w.open(); print('ready', flush=True); time.sleep(120)")
     first = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from pagedrun.errors import PagedrunError
-from pagedrun.input_files import read_input
+from pagedrun.io.input_files import read_input
 
 
 MAX_DEPTH = 16  # the deepest recipe value is a list in a section (sampling.stop): 3

@@ -88,7 +88,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
         TimeRemainingColumn
 
     from pagedrun.engine.llm import output_record
-    from pagedrun.io.outputs import request_key
+    from pagedrun.io.writer import request_key
 
     if not quiet:
         console.print(f"[bold]ray[/] {len(pending)} requests over {replicas} replica(s), "

@@ -68,7 +68,7 @@ class LLM:
         """Run requests to completion; returns the finished ones in input order. should_stop is asked
         before every step; True ends the run after the step in progress (used for SIGINT/SIGTERM).
 
-        `requests` may be an iterator that tokenizes as it goes (io/request_stream.py): with `window`
+        `requests` may be an iterator that tokenizes as it goes (io/stream.py): with `window`
         it is pulled only while fewer than `window` requests wait for admission, so the requests
         tokenized ahead of the engine stay within window + the running batch. With `tally` the
         finished requests are counted there and not kept (the returned list is empty): memory does

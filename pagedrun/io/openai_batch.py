@@ -10,7 +10,7 @@ Output line: {"id": "batch_req_...", "custom_id", "response": {"status_code": 20
 Choices, documented in README.md ("Running an OpenAI batch file"):
   * ids are derived from the job, not random: sha256 of the input file's content hash and the line's
     custom_id (or, for a line that cannot run, its line number), so a resumed or repeated run writes
-    the same ids, and the output's `id` doubles as the resume key (io/outputs.py);
+    the same ids, and the output's `id` doubles as the resume key (io/writer.py);
   * `created` is the input file's modification time: one value for every line of a job, the same
     when the job is resumed or run again on the unchanged file;
   * a body `model` other than the recipe's model runs anyway on the recipe's model (one warning for

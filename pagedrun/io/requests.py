@@ -14,7 +14,7 @@ too long for max_model_len is always an InvalidRequest: one long document must n
 
 A line is checked in two stages: LineChecker.check (JSON, fields, values, unique ids: cheap, no
 tokenizer work) and tokenize (io/tokenize.py: bounded by max_model_len). read_requests does both
-for every line up front; io/request_stream.py checks the whole file first and tokenizes in a window
+for every line up front; io/stream.py checks the whole file first and tokenizes in a window
 ahead of the engine. Nesting deeper than Python's recursion limit is an "invalid JSON" error; values
 quoted in errors are cut (pagedrun/echo.py).
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from pagedrun.echo import clip, echo, echo_json
 from pagedrun.errors import PagedrunError
-from pagedrun.input_files import read_input
+from pagedrun.io.input_files import read_input
 from pagedrun.io import openai_batch
 from pagedrun.io.openai_batch import BatchJob, BatchLine, BatchLineError
 from pagedrun.io.tokenize import LineError, TooLong, check_vocab, need_tokenizer, token_ids

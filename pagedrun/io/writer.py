@@ -9,7 +9,7 @@ end the file is rewritten in input order through a temporary file and an atomic 
 A companion `OUT.meta.json` holds the fingerprint of the recipe and of the prompts file, so that a
 re-run with other inputs is refused instead of silently mixing two jobs' outputs. A run holds an
 exclusive lock on `OUT.lock` from the start, so two runs never write the same output; which paths
-a run may write at all is decided in pagedrun/io/output_files.py.
+a run may write at all is decided in pagedrun/io/file_safety.py.
 
 On a re-run every complete line that parses is kept and its request skipped. What a crash can leave
 behind (a torn last line without its newline, a line that does not parse, a second line for the
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.output_files import (OutputLock, check_derived, check_output, is_lock, is_meta, is_report,
+from pagedrun.io.file_safety import (OutputLock, check_derived, check_output, is_lock, is_meta, is_report,
                                       lock_path, meta_path, remove_stale_temps, replace_file, report_path, temp_path)
 
 META_VERSION = 1

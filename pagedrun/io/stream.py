@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedrun.errors import PagedrunError
-from pagedrun.input_files import open_input
+from pagedrun.io.input_files import open_input
 from pagedrun.io.openai_batch import BatchJob
-from pagedrun.io.outputs import Key, request_key
+from pagedrun.io.writer import Key, request_key
 from pagedrun.io.requests import OPENAI, InvalidRequest, LineChecker, LineFailure, Request
 from pagedrun.sampling_params import SamplingParams
 
@@ -84,8 +84,8 @@ class RequestStream:
                     bad.id = self.batch_job.error_line_id(bad.line)
 
     def key_of_invalid(self, bad: InvalidRequest) -> Key:
-        """An error record's key: by line in pagedrun's format; a batch file's by its id (io/outputs.py)."""
-        from pagedrun.io.outputs import invalid_key
+        """An error record's key: by line in pagedrun's format; a batch file's by its id (io/writer.py)."""
+        from pagedrun.io.writer import invalid_key
 
         return request_key(bad.id) if self.format == OPENAI else invalid_key(bad.line)
 
@@ -115,7 +115,7 @@ class RequestStream:
     # ---- pass 3 ---------------------------------------------------------------------------------
     def order(self, done: Callable[[Key], bool]) -> Iterator[Key]:
         """Every line's output key, in file order (read again from the file: nothing is kept per line)."""
-        from pagedrun.io.outputs import invalid_key
+        from pagedrun.io.writer import invalid_key
 
         checker = self._checker()
         bad = {b.line: b for b in self.invalid}
