@@ -71,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    import pagedrun.sampler as sampler_mod
+    import pagedrun.sample.sampler as sampler_mod
     from pagedrun.engine.llm import LLM
     from pagedrun.structured.grammar import StructuredOutputManager as Manager
 

@@ -55,7 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled token
-    # Penalties (pagedrun/penalties.py): OpenAI's presence/frequency over the generated tokens,
+    # Penalties (pagedrun/sample/penalties.py): OpenAI's presence/frequency over the generated tokens,
     # vLLM/HF's multiplicative repetition penalty over prompt + generated; logit_bias added first.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

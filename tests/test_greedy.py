@@ -1,4 +1,4 @@
-"""Greedy argmax (kernels/cpu/argmax_cpu.cpp through pagedrun.greedy) against torch.argmax, whose
+"""Greedy argmax (kernels/cpu/argmax_cpu.cpp through pagedrun.sample.argmax) against torch.argmax, whose
 answer it must give exactly: the first maximum, ties included (bf16 logits tie often), the first
 NaN of a row that holds one, rows of -inf, rows shorter than a vector, strided rows; float32 and
 bfloat16 logits."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrun import greedy
+from pagedrun.sample import argmax as greedy
 
 from cpu_libraries import load_or_skip
 

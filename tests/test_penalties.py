@@ -9,9 +9,9 @@ import torch
 
 from pagedrun.engine.llm import LLM
 from pagedrun.errors import PagedrunError
-from pagedrun.penalties import apply_penalties
+from pagedrun.sample.penalties import apply_penalties
 from pagedrun.config.recipe import load_recipe
-from pagedrun.sampler import Sampler, SamplingRow
+from pagedrun.sample.sampler import Sampler, SamplingRow
 from pagedrun.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
 

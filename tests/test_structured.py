@@ -14,7 +14,7 @@ import torch
 from pagedrun.engine.llm import LLM
 from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import load_recipe
-from pagedrun.sampler import Sampler, SamplingRow
+from pagedrun.sample.sampler import Sampler, SamplingRow
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured import grammar as grammar_mod
 from tiny_models import make_tiny_model

@@ -31,7 +31,7 @@ from pagedrun.kv.torch_cap import cap_torch_memory, step_out_of_memory
 from pagedrun.malloc_tuning import tune_glibc_malloc
 from pagedrun.metrics import StepRecord
 from pagedrun.config.recipe import Recipe
-from pagedrun.sampler import Sampler, SamplingRow, make_generator
+from pagedrun.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.grammar import StructuredOutputManager
 

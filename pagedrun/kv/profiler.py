@@ -176,7 +176,7 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
     decoder layers, the final norm and the LM head), plus the sampler, measured."""
     from pagedrun.engine.model_runner import ModelInput, ModelRunner
     from pagedrun.kv.cache_engine import CacheEngine
-    from pagedrun.sampler import Sampler, SamplingRow
+    from pagedrun.sample.sampler import Sampler, SamplingRow
     from pagedrun.sampling_params import SamplingParams
 
     lens = profile_batch(max_num_batched_tokens, max_num_seqs, max_model_len)

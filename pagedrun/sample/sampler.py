@@ -1,6 +1,6 @@
 """The Sampler: logits of the sequences that produce a token this step -> one token id each.
 
-Logit bias and penalties come first (penalties.py), for the rows that ask for them. Greedy rows
+Logit bias and penalties come first (sample/penalties.py), for the rows that ask for them. Greedy rows
 take the argmax. Random rows are processed together: temperature, then top-k, top-p
 and min-p masks, then one draw by the "exponential race" (argmax of p_i / E_i with E_i ~ Exp(1)),
 which samples exactly from p. Each seeded sequence draws its E_i from its own torch.Generator, one
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pagedrun.greedy import argmax_rows
-from pagedrun.penalties import apply_penalties
+from pagedrun.sample.argmax import argmax_rows
+from pagedrun.sample.penalties import apply_penalties
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.bitmask import apply_grammar_bitmasks
 
