@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import numpy as np  # noqa: E402
 
 import test_kernels as T  # noqa: E402
-from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")
 
@@ -94,7 +94,7 @@ def stream():
     side stream whose query lands only after tens of ms of queued work."""
     import torch
 
-    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+    from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
     for spec, heads, kv_heads in ((T.StepSpec([16, 0, 33], [4, 6, 1]), 9, 3), (T.StepSpec([40, 0, 7], [3, 5, 1]), 4, 1)):
         for prefill in ("sdpa", "kernel"):

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 DEFAULT_CONFIGS = "1x4096,8x1024,32x512,64x2048,64x4096,128x1024,8x16384,4x32768"
 L2_MULTIPLE = 4  # K/V copies together exceed this many L2s

@@ -2,7 +2,7 @@
 
 The configured dtype's row is what the engine allocated; every other row is derived from the same
 budget: floor(budget / block bytes), with the CPU cap the plan applied (2 x max_num_seqs full-length
-sequences) applied to each. Bytes per token count the int8 scales (kv/kv_quant.py).
+sequences) applied to each. Bytes per token count the int8 scales (attention/kv_cache_spec.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from rich import box
 from rich.table import Table
 
-from pagedrun.kv.kv_quant import kv_cache_spec
+from pagedrun.attention.kv_cache_spec import kv_cache_spec
 from pagedrun.kv.memory import MemoryPlan
 
 

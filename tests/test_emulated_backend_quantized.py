@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_kernels as T  # noqa: E402
 import test_kernels_quantized as Q  # noqa: E402
 
-from pagedrun.attention import kernels as K  # noqa: E402
-from pagedrun.attention.emulated_backend import EmulatedAttentionBackend  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
+from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend  # noqa: E402
 
 # (model dtype, head, block, heads, kv heads, step): prefill, prefix + prefill, decodes (v1 rows)
 CASES = [

@@ -41,7 +41,7 @@ def test_gpu_path_sdpa_prefill_with_emulated_decode_kernels_equals_hf(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     d = make_tiny_model("llama", tmp_path / "m", seed=5, hidden_size=128, num_attention_heads=4,
                         num_key_value_heads=1, num_hidden_layers=3)  # MQA, head_dim 32

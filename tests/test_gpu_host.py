@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedrun.attention import cuda_install as CI
+from pagedrun.attention.cuda import install as CI
 
 
 # ---------------------------------------------------------------- install: which CuPy fits
@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import test_kernels as T  # noqa: E402
-from pagedrun.attention import kernels as K  # noqa: E402
-from pagedrun.attention import paged_step  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import paged_step  # noqa: E402
 from test_kernels import emu  # noqa: E402,F401  (the module-scoped emulator fixture)
 
 
@@ -100,7 +100,7 @@ def test_non_contiguous_rows_still_refused(emu):
 
 
 def test_torch_strided_takes_the_torch_tensors_strides():
-    from pagedrun.attention.cupy_backend import torch_strided
+    from pagedrun.attention.cuda.cupy_backend import torch_strided
 
     for t in (torch.zeros(5, 1, 64, dtype=torch.float16), torch.zeros(1, 4, 64), torch.zeros(1, 1, 32)):
         arr = dlpack_normalised(t.numpy())
@@ -130,7 +130,7 @@ class _FakeCupy:
 def test_pointer_built_views_match_what_dlpack_gives():
     """as_cupy's fast path: the address, shape, byte strides and dtype of the tensor (a strided
     bf16 view as int16), the bytes it spans, the tensor kept alive as the memory's owner."""
-    from pagedrun.attention import cupy_backend as CB
+    from pagedrun.attention.cuda import cupy_backend as CB
 
     base = torch.zeros(4, 5, 8, dtype=torch.bfloat16)
     for t in (base.view(torch.int16)[:, 1:3], base.view(torch.int16), torch.zeros(3, 1, 64),
@@ -154,7 +154,7 @@ def test_cache_views_are_made_once_per_cache_and_do_not_keep_it_alive(monkeypatc
     import gc
     import weakref
 
-    from pagedrun.attention import cupy_backend as CB
+    from pagedrun.attention.cuda import cupy_backend as CB
 
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
     monkeypatch.setattr(CB, "_pointer_wraps_ok", True)
@@ -179,7 +179,7 @@ def test_cache_views_are_made_once_per_cache_and_do_not_keep_it_alive(monkeypatc
 
 
 def test_as_cupy_keeps_dlpack_for_good_when_a_pointer_view_differs(monkeypatch):
-    from pagedrun.attention import cupy_backend as CB
+    from pagedrun.attention.cuda import cupy_backend as CB
 
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy)
     monkeypatch.setattr(CB, "_pointer_wraps_ok", True)
@@ -317,7 +317,7 @@ def test_shared_memory_opt_in_counts_static_and_reads_the_limit():
 
 @pytest.mark.parametrize("prefill", paged_step.PREFILL_MODES)
 def test_step_inputs_built_once_and_reused_by_every_layer(emu, monkeypatch, prefill):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     calls = []
     real = paged_step.build
@@ -344,7 +344,7 @@ def test_step_inputs_built_once_and_reused_by_every_layer(emu, monkeypatch, pref
 @pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
 def test_sdpa_prefill_path_matches_reference(emu, case):
     """The CuPy backend's GPU path (SDPA prefill + paged decode kernels), run on the CPU."""
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     dtype_name, D, bs, H, KVH, spec = case
     backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill="sdpa")
@@ -360,7 +360,7 @@ def test_sdpa_prefill_path_matches_reference(emu, case):
 
 
 def test_sdpa_prefill_only_step_launches_no_attention_kernel(emu):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill="sdpa")
     spec = T.StepSpec([0, 16], [9, 4])
@@ -374,7 +374,7 @@ def test_sdpa_prefill_only_step_launches_no_attention_kernel(emu):
 def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
     """What the CUDA memory profile calls so that both decode kernels are loaded (and counted)
     before it reads the memory in use: v1 and v2 each launch once and return normally."""
-    from pagedrun.attention.emulated_backend import as_numpy
+    from pagedrun.attention.cuda.emulated_backend import as_numpy
 
     v = K.KernelVariant("float16", 64, 16)
     ker = emu("float16")[v]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedrun.attention import kernels as K
+from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention import nvrtc
 
 NVCC = shutil.which("nvcc")

@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_kernels as T  # noqa: E402  (helpers: make_case, run_case, reference, tolerances)
 
-from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 # Thread groups of 2 lanes (the group shuffle is live); 4 query heads over 2 KV heads launch the
 # grouped kernel (2 query heads per block), whose loops over the group the mutants then run through.

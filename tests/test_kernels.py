@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrun.attention import kernels as K
+from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention.metadata import AttentionMetadata
 
 DTYPES = tuple(K.DTYPES)
@@ -393,7 +393,7 @@ def test_copy_blocks_all_layers_one_launch(emu, dtype):
 
 
 def test_pseudo_sequences():
-    from pagedrun.attention.paged_step import pseudo_sequences
+    from pagedrun.attention.cuda.paged_step import pseudo_sequences
 
     token_to_seq, lens = pseudo_sequences([3, 1, 2], [5, 9, 2])
     assert token_to_seq.tolist() == [0, 0, 0, 1, 2, 2]
@@ -510,7 +510,7 @@ BACKEND_CASES = [
 
 @pytest.mark.parametrize("case", BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in BACKEND_CASES])
 def test_emulated_backend_mixed_step(emu, case):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     dtype_name, D, bs, H, KVH, spec = case
     dtype = getattr(torch, dtype_name)
@@ -529,7 +529,7 @@ def test_emulated_backend_mixed_step(emu, case):
 
 
 def test_emulated_backend_long_prefix_uses_v2(emu):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
     spec = StepSpec([700, 3], [2, 1])  # pseudo-sequences of up to 702 tokens, 3 tokens x 4 heads
@@ -541,7 +541,7 @@ def test_emulated_backend_long_prefix_uses_v2(emu):
 
 
 def test_emulated_backend_matches_torch_backend(emu):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
     from pagedrun.attention.torch_backend import TorchAttentionBackend
 
     spec = StepSpec([0, 40, 7], [5, 3, 1])
@@ -555,7 +555,7 @@ def test_emulated_backend_matches_torch_backend(emu):
 
 
 def test_emulated_backend_copy_blocks(emu):
-    from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
     backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
     g = torch.Generator().manual_seed(1)

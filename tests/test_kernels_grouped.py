@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_kernels import TOL, emulator_or_skip, make_case, run_case
 
-from pagedrun.attention import kernels as K
+from pagedrun.attention.cuda import kernels as K
 
 # (dtype, head_size, block_size, num_heads, num_kv_heads): group = K.group_for(num_heads, num_kv_heads)
 CASES = [

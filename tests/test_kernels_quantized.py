@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_kernels as T  # noqa: E402
 
-from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 KV = K.QUANTIZED_KV_DTYPES
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}

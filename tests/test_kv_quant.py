@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedrun.errors import PagedrunError
-from pagedrun.kv import kv_quant
+from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.kv.cache_engine import CacheEngine
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 

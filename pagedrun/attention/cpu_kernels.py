@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedrun import cpu_build
-from pagedrun.kv import kv_quant
+from pagedrun.attention import kv_cache_spec as kv_quant
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

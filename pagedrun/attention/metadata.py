@@ -42,7 +42,7 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     # What a backend derives from this step once and reuses in every layer (block tables gathered
-    # per kernel row, device copies, wrapped arrays): pagedrun/attention/paged_step.py.
+    # per kernel row, device copies, wrapped arrays): pagedrun/attention/cuda/paged_step.py.
     backend_state: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

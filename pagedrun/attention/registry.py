@@ -49,7 +49,7 @@ def available_backends() -> list[str]:
 
 
 def make_backend(name: str, device: torch.device | str = "cpu", kv_spec=None, model_dtype: torch.dtype | None = None):
-    """kv_spec (pagedrun.kv.kv_quant.KVCacheSpec): how the cache stores K/V; None = the model's dtype."""
+    """kv_spec (pagedrun.attention.kv_cache_spec.KVCacheSpec): how the cache stores K/V; None = the model's dtype."""
     device = torch.device(device)
     if name == "auto":
         name = "cupy" if device.type == "cuda" and _cupy_gpu() else "torch"
@@ -66,19 +66,19 @@ def make_backend(name: str, device: torch.device | str = "cpu", kv_spec=None, mo
         why = _cupy_status()
         if why is not None:
             if why.startswith("import cupy failed"):
-                from pagedrun.attention.cuda_install import cupy_unavailable_message
+                from pagedrun.attention.cuda.install import cupy_unavailable_message
 
                 raise PagedrunError(cupy_unavailable_message(why))
             raise PagedrunError(f"attention_backend: cupy needs a CUDA GPU ({why}); use auto or torch")
         if device.type != "cuda":
             raise PagedrunError(f"attention_backend: cupy needs the model on a CUDA device, not {device}")
-        from pagedrun.attention.cupy_backend import CupyAttentionBackend
+        from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
         return CupyAttentionBackend(kv_cache_dtype=kv_name)
     if name == "emulated":
         if device.type != "cpu":
             raise PagedrunError(f"attention_backend: emulated runs on the CPU, not {device}")
-        from pagedrun.attention.emulated_backend import EmulatedAttentionBackend
+        from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
 
         return EmulatedAttentionBackend(kv_cache_dtype=kv_name)
     raise PagedrunError(

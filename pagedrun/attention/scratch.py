@@ -8,7 +8,7 @@ the profile, so each backend's worst case per layer call is added to the plan's 
 """
 from __future__ import annotations
 
-from pagedrun.attention.kernels import num_partitions
+from pagedrun.attention.cuda.kernels import num_partitions
 
 # The most K/V rows one decode SDPA call of the torch path gathers (sequences padded to the longest
 # of their chunk): a step with more decodes runs in chunks (torch_backend.decode_chunks), so the

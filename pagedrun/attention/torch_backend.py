@@ -18,7 +18,7 @@ over prefills. The pure-torch path above stays as the fallback (no compiler, CUD
 unsupported dtype or layout) and as the reference the kernel is tested against;
 TorchAttentionBackend(use_cpu_kernel=False) forces it.
 
-A quantized cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 / int8, pagedrun/kv/kv_quant.py): this
+A quantized cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 / int8, pagedrun/attention/kv_cache_spec.py): this
 step's K/V are quantized in torch and scattered as bytes (int8 scales beside them); the C++ kernel
 widens each chunk of cache rows to float32 as it reads them (a 256-entry table for fp8, the row's
 scale for int8); the torch path dequantizes the blocks the step reads into a compact float32 copy.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pagedrun.attention import cpu_kernels
 from pagedrun.attention.cpu_kernels import int_arg
-from pagedrun.kv import kv_quant
+from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
 from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs

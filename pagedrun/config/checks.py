@@ -108,7 +108,7 @@ def _non_empty_str(v: Any) -> str:
     return v
 
 
-# cache.kv_cache_dtype (pagedrun/kv/kv_quant.py): here, not there, so checking a recipe imports no torch.
+# cache.kv_cache_dtype (pagedrun/attention/kv_cache_spec.py): here, not there, so checking a recipe imports no torch.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 _KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",

@@ -64,7 +64,7 @@ class CacheConfig:
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
     enable_prefix_caching: bool = True
     watermark: float = 0.01
-    # auto = the model's dtype; fp8 (e4m3, e5m2) and int8 store 1 byte per element (kv/kv_quant.py).
+    # auto = the model's dtype; fp8 (e4m3, e5m2) and int8 store 1 byte per element (attention/kv_cache_spec.py).
     kv_cache_dtype: str = "auto"
     k_scale: float | None = None  # fp8 scales for every layer; null: calibrated on the first step
     v_scale: float | None = None

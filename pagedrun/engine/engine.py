@@ -23,7 +23,7 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.cache_engine import CUDA_OOM, CacheEngine
-from pagedrun.kv.kv_quant import check_scales, kv_cache_spec
+from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.kv.memory import MemoryPlan, plan_kv_cache
 from pagedrun.kv.populate import CachePopulator

@@ -16,7 +16,7 @@ from typing import Callable, Union
 import torch
 
 from pagedrun.errors import PagedrunError
-from pagedrun.kv.kv_quant import KVCacheSpec, kv_cache_spec
+from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
 
 BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
 
@@ -45,7 +45,7 @@ class CacheEngine:
         kv_spec: KVCacheSpec | None = None,
         fp8_scales: tuple[float | None, float | None] = (None, None),
     ):
-        """dtype: the model's; kv_spec (kv/kv_quant.py): how the cache stores K/V (default: in dtype).
+        """dtype: the model's; kv_spec (attention/kv_cache_spec.py): how the cache stores K/V (default: in dtype).
         fp8_scales: the recipe's k_scale / v_scale for every layer (None: calibrated on first write)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pagedrun.errors import PagedrunError
-from pagedrun.kv.kv_quant import KVCacheSpec, kv_cache_spec
+from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from pagedrun.kv.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20
@@ -54,7 +54,7 @@ class MemoryPlan:
     # K/V, chunked at attention/scratch.py's DECODE_GATHER_TOKENS rows, and SDPA's work on it).
     # 0 when the backend reads the cache in place (the C++ and CUDA kernels).
     decode_gather_bytes: int = 0
-    kv_cache_dtype: str = ""  # how the cache stores K/V (kv/kv_quant.py), resolved; "" = not given
+    kv_cache_dtype: str = ""  # how the cache stores K/V (attention/kv_cache_spec.py), resolved; "" = not given
     # Formula, not measured (CUDA): the most the attention of one layer call allocates beyond what
     # the profile pass exercised, at max_model_len (attention/scratch.py); inside the budget.
     attention_scratch_bytes: int = 0

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_kernels as T  # noqa: E402
 
-from pagedrun.attention import kernels as K  # noqa: E402
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 
 def _gpu() -> bool:
@@ -150,7 +150,7 @@ def _torch_cuda():
 @pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
 def test_gpu_backend_mixed_step(case, prefill):
     torch = _torch_cuda()
-    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+    from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
     dtype_name, D, bs, H, KVH, spec = case
     dtype = getattr(torch, dtype_name)
@@ -166,7 +166,7 @@ def test_gpu_backend_mixed_step(case, prefill):
 
 def test_gpu_backend_swap_blocks():
     torch = _torch_cuda()
-    from pagedrun.attention.cupy_backend import CupyAttentionBackend
+    from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
     gpu = torch.randn((6, 16, 2, 64), device="cuda", dtype=torch.float16)
     cpu = torch.zeros((4, 16, 2, 64), dtype=torch.float16).pin_memory()

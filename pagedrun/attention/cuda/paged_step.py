@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pagedrun.attention import kernels as K
+from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.sdpa_prefill import PrefillSeq, attend_prefills, prefill_seqs
 

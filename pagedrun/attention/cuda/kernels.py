@@ -6,7 +6,7 @@ pointers. The two attention backends differ only in how they build a module and 
 grid shapes, shared-memory sizes and argument packing (numpy scalars of the exact parameter types:
 a Python float would be packed as a double) are written once, here.
 
-Which variants exist and their template names: pagedrun.attention.kernel_variants (re-exported).
+Which variants exist and their template names: pagedrun.attention.cuda.variants (re-exported).
 A quantized KV cache (issue 18) adds two float32 scale arrays to reshape_and_cache and attention:
 fp8 one element per layer (k_scale, v_scale), int8 one per (slot, kv head) beside the blocks.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
 from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
-from pagedrun.attention.kernel_variants import (  # noqa: F401  (re-exported)
+from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, MAX_GROUP, MAX_QUANTIZED_GROUP, NUM_THREADS, PARTITION_SIZE,
     QUANTIZED_KV_DTYPES, WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
 )

@@ -1,6 +1,6 @@
 """The CuPy backend's kernels, run on the CPU through the CUDA emulator (pagedrun.cudaemu).
 
-Same .cu sources, same launch helpers (pagedrun.attention.kernels), same grids: only the module
+Same .cu sources, same launch helpers (pagedrun.attention.cuda.kernels), same grids: only the module
 comes from EmuModule and device arrays are numpy views of the torch CPU tensors (no copies for the
 caches, which the kernels write in place). It is slow (every CUDA thread is a fiber) and exists so
 that CI without a GPU runs the real kernels end to end, e.g. greedy tokens vs the torch backend.
@@ -13,10 +13,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedrun.attention import kernels as K
-from pagedrun.attention import paged_step
+from pagedrun.attention.cuda import kernels as K
+from pagedrun.attention.cuda import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
-from pagedrun.kv import kv_quant
+from pagedrun.attention import kv_cache_spec as kv_quant
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
