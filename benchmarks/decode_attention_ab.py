@@ -4,7 +4,7 @@
 
 Builds kernels/cpu/paged_attention_cpu.cpp twice, as REF has it (a commit exported with git
 archive, or a folder holding pagedrun/ and kernels/, as ab_bench.py takes it) and as this tree has it,
-with the flags the engine uses (pagedrun.cpu_build), loads both and times paged_attention_decode
+with the flags the engine uses (pagedrun.build.cpu), loads both and times paged_attention_decode
 over 30 layers of their own caches, the default model's heads (9 query, 3 KV, head size 64), one
 query per sequence, contexts of 120-380 tokens, blocks in random order: 30 x 18 MiB (fp32, 48
 sequences) is more than the L3 holds, so every layer's K/V comes from memory, as in a decode step.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_bench import ROOT, ref_tree  # noqa: E402  (REF's pagedrun/ and kernels/, as ab_bench takes it)

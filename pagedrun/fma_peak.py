@@ -1,5 +1,5 @@
 """The machine's measured arithmetic roof for `pagedrun bench`: kernels/cpu/fma_peak.cpp, built like
-the CPU kernels (pagedrun.cpu_build, the same ISA flags), runs independent FMA chains in registers
+the CPU kernels (pagedrun.build.cpu, the same ISA flags), runs independent FMA chains in registers
 on every thread; the best of a few timed runs is the peak FLOP/s no kernel built the same way can beat.
 
 fp32 uses the widest FMA the build has (AVX-512, AVX2 + FMA, or plain SSE). bf16 is the fp32 roof
@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import time
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "fma_peak.cpp"
 

@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit: every activation up to 32 MiB
 TRIM_THRESHOLD = 512 << 20

@@ -130,7 +130,7 @@ def cpu_kernels_status(engine) -> str | None:
     device = getattr(engine, "device", None)  # absent on a Ray replica's rebuilt view (distributed/merge.py)
     if device is None or device.type != "cpu":
         return None
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
     from pagedrun.models import ops
 
     ops.load()
@@ -159,7 +159,7 @@ def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_toke
 # Dotted path prefix -> (kind, how). The longest matching prefix wins.
 _PROVENANCE: dict[str, tuple[str, str]] = {
     "interrupted": (M, "the run was stopped by a signal"),
-    "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/cpu_build.py) loaded: on, or off and why; "
+    "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/build/cpu.py) loaded: on, or off and why; "
                        "null on a GPU"),
     "num_steps": (M, "engine steps recorded"),
     "num_requests": (M, "requests finished in this run"),

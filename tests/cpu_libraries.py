@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 
 def load_or_skip(load, load_error, what: str):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 from pagedrun.bench import count_params, finish_row, kv_bytes_per_token
 from pagedrun.errors import PagedrunError
 from pagedrun.workloads import BenchRequest
@@ -73,7 +73,7 @@ def test_machine_flags_follow_cpuinfo(monkeypatch):
 
 
 def test_kernel_isa_cap_takes_away_everything_above_it(monkeypatch):
-    from pagedrun.build_cache import CacheError
+    from pagedrun.build.cache import CacheError
 
     full = "flags : sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_tile amx_bf16"
     monkeypatch.setenv("PAGEDRUN_KERNEL_ISA", "avx2")

@@ -16,7 +16,7 @@ import torch
 from pagedrun.attention import cpu_kernels
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
-from pagedrun.cpu_build import machine_flags
+from pagedrun.build.cpu import machine_flags
 
 from attention_reference import assert_matches_reference
 from cpu_libraries import load_or_skip
@@ -337,7 +337,7 @@ def test_vector_widths_agree(kern, head_dim, heads, kv_heads):
     build has AVX-512; the 8-wide build (PR_GEMM_VEC8, every machine) must give the same attention
     within rounding (the weighted sums are the same per-lane sums; the dots differ only in
     association), mixed prefill and decode alike. On an AVX2-only machine both builds are 8-wide."""
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
     from pagedrun.attention.cpu_kernels import SOURCE, CpuAttentionKernels
 
     narrow = CpuAttentionKernels(cpu_build.build(SOURCE, ("-DPR_GEMM_VEC8",)))

@@ -1,4 +1,4 @@
-"""The CUDA-on-CPU emulator (pagedrun.cudaemu): semantics, bug detection, argument checks, caching.
+"""The CUDA-on-CPU emulator (pagedrun.build.cudaemu): semantics, bug detection, argument checks, caching.
 
 Kernels live in tests/emu_kernels/*.cu and are plain CUDA. Each .cu file is compiled once per
 cache (~/.cache/pagedrun/cudaemu or $PAGEDRUN_CACHE), so a warm run does not invoke g++.
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedrun.cudaemu import EmuDeadlockError, EmuError, EmuLaunchError, EmuModule
-from pagedrun.cudaemu import build as emu_build
+from pagedrun.build.cudaemu import EmuDeadlockError, EmuError, EmuLaunchError, EmuModule
+from pagedrun.build.cudaemu import build as emu_build
 
 KDIR = Path(__file__).parent / "emu_kernels"
 TEMPLATES = ("rotate_scale<float, 64>", "rotate_scale<__half, 32>", "template_shared<64>")
@@ -369,7 +369,7 @@ def test_compile_error_reports_gcc_lines() -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux")
 def test_address_sanitizer_catches_dynamic_shared_overflow() -> None:
     try:
-        from pagedrun.cudaemu.asan import libasan_path
+        from pagedrun.build.cudaemu.asan import libasan_path
 
         libasan_path()
     except EmuError as e:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA em
 
 @pytest.fixture(scope="module")
 def mod():
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     return EmuModule((KDIR / "fp8.cu").read_text(), filename="emu_kernels/fp8.cu")
 

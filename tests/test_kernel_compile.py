@@ -5,7 +5,7 @@
   test log. By default sm_80 compiles a covering set (every head size and every block size at least
   once per dtype, v1 + v2 + reduce + cache ops) and sm_90 one variant per dtype, one nvcc per dtype
   in parallel; PAGEDRUN_FULL_KERNEL_GATE=1 compiles all 3 x 8 x 3 variants for both (minutes).
-- NVRTC through ctypes (pagedrun.attention.nvrtc: createProgram / addNameExpression /
+- NVRTC through ctypes (pagedrun.build.nvrtc: createProgram / addNameExpression /
   compileProgram / getLoweredName / getCUBIN, the calls cupy.RawModule makes), which needs no GPU
   and no CuPy, only the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels (the dev extra): every
   variant, sm_80 and sm_90. NVRTC rejects things nvcc accepts (e.g. <cfloat>), so both gates matter.
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from pagedrun.attention.cuda import kernels as K
-from pagedrun.attention import nvrtc
+from pagedrun.build import nvrtc
 
 NVCC = shutil.which("nvcc")
 FULL = os.environ.get("PAGEDRUN_FULL_KERNEL_GATE") == "1"

@@ -155,7 +155,7 @@ def names_for(m: Mutation, version: str | None = None) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def mutant_module(schedule: str):
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     everything = [CONTROL, *MUTATIONS]
     names = [n for m in everything for n in names_for(m)]
@@ -178,7 +178,7 @@ class _Prefixed:
 
 def outcome(m: Mutation, schedule: str, version: str) -> str:
     """'ok' | 'wrong' | 'deadlock' | 'error' for mutant m (or the control) under schedule."""
-    from pagedrun.cudaemu import EmuDeadlockError, EmuError
+    from pagedrun.build.cudaemu import EmuDeadlockError, EmuError
 
     ker = K.PagedKernels(VARIANT, _Prefixed(mutant_module(schedule), m.id), np)
     case = T.make_case(VARIANT, V1_SEQ_LENS if version == "v1" else V2_SEQ_LENS, 4, 2, seed=21)

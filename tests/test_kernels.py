@@ -40,7 +40,7 @@ V2_SEQ_LENS = [1, 300, 512, 513, 1200, 1537]
 
 def emulator_or_skip():
     try:
-        import pagedrun.cudaemu as emu  # noqa: F401
+        import pagedrun.build.cudaemu as emu  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the machine
         pytest.skip(f"CUDA emulator unavailable: {e}")
     return emu
@@ -204,7 +204,7 @@ def module_names(dtype: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def emu_kernels(dtype: str, schedule: str = "round_robin") -> dict[K.KernelVariant, K.PagedKernels]:
     """All of one dtype's test variants in one emulator module (one g++ run, cached on disk)."""
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     module = EmuModule(
         K.full_source(), name_expressions=module_names(dtype), schedule=schedule,

@@ -36,7 +36,7 @@ def variant(dtype, head, block, heads, kv) -> K.KernelVariant:
 
 @functools.lru_cache(maxsize=None)
 def module(schedule: str = "round_robin"):
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     names = list(dict.fromkeys(n for c in CASES for n in variant(*c).name_expressions(("v1", "v2"))))
     return EmuModule(K.full_source(), name_expressions=names, schedule=schedule, filename="kernels/paged_attention.cu")
@@ -156,7 +156,7 @@ def test_loads_in_flight_settings_change_no_bits(emu, defines):
     """PR_V_BATCH / PR_K_CHUNK_ELEMS (kernels/attention_common.cuh) decide how many loads a lane has
     in flight, never the order of a sum: any setting gives the default's bits (the H200 A/B of
     2026-11-26 checked the same on the GPU). Grouped and one-head, v1 and v2, ragged lengths."""
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     case = CASES[1]  # fp16 head 64, 9 / 3: the default model's shape
     v = variant(*case)

@@ -118,7 +118,7 @@ def v2_variants(kv: str) -> list[K.KernelVariant]:
 
 @functools.lru_cache(maxsize=None)
 def emu_kernels(kv: str, schedule: str = "round_robin") -> dict[K.KernelVariant, K.PagedKernels]:
-    from pagedrun.cudaemu import EmuModule
+    from pagedrun.build.cudaemu import EmuModule
 
     variants = list(dict.fromkeys(head_sweep(kv) + block_sweep(kv) + v2_variants(kv)))
     names = [n for v in variants for n in v.name_expressions(("v1", "cache"))]
@@ -192,8 +192,8 @@ GROUPED = [("bfloat16", 128, 16, 8, 2, 4), ("float16", 64, 32, 9, 3, 3), ("float
 
 @functools.lru_cache(maxsize=None)
 def grouped_kernels(kv: str) -> dict[K.KernelVariant, K.PagedKernels]:
-    from pagedrun.cudaemu import EmuModule
-    from pagedrun.cudaemu.module import MAX_OPT_IN_SHARED
+    from pagedrun.build.cudaemu import EmuModule
+    from pagedrun.build.cudaemu.module import MAX_OPT_IN_SHARED
 
     variants = [K.KernelVariant(d, h, b, kv, g) for d, h, b, _, _, g in GROUPED]
     names = list(dict.fromkeys(n for v in variants for n in v.name_expressions(("v1", "v2"))))

@@ -31,7 +31,7 @@ def _gen(seed: int) -> torch.Generator:
 def _bf16_vector_paths() -> list[int]:
     """The bf16 GEMM's vector paths this build has: widened FMAs (0) and, with avx512_bf16,
     vdpbf16ps (1). The library picks one by timing them; tests run each (_bf16_path)."""
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
 
     return [0, 1] if "-mavx512bf16" in cpu_build.machine_flags() else [0]
 
@@ -96,7 +96,7 @@ def test_linear_packed_is_bit_identical_at_every_vector_width(kern):
     """The GEMM is width-generic (16 floats with AVX-512, 8 otherwise): each lane sums one output
     column over k in order, so the 8-wide build (forced with PR_GEMM_VEC8) gives the same bits as the
     build this machine loads, whatever that is. On an AVX2-only machine both are the 8-wide kernel."""
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
 
     narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
     assert narrow.panel == 16 and kern.panel in (16, 32)
@@ -121,7 +121,7 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     vdpbf16ps path (avx512_bf16) and the widened-FMA path (every CPU; the 8-wide build here too)
     add each pair's products in the same order, so they give the same bits, and each output is
     within one bf16 rounding (plus fp32 summation error) of the float64 product."""
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
 
     g = _gen(m + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -370,7 +370,7 @@ def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
     of the [M, 2I] GEMM then silu_and_mul, on each vector path of this build (FMAs on widened bf16,
     and vdpbf16ps where it has avx512_bf16) and on the 8-wide widening build (PR_GEMM_VEC8), which
     must all agree."""
-    from pagedrun import cpu_build
+    from pagedrun.build import cpu as cpu_build
 
     g = _gen(31 + m)
     i, k = 2 * kern.panel * 3, 576

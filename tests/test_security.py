@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedrun import build_cache, cli, cpu_build
+from pagedrun.build import cache as build_cache, cpu as cpu_build
+from pagedrun import cli
 from pagedrun.errors import PagedrunError
 from pagedrun.io.writer import OutputWriter, meta_path
 from tiny_models import make_tiny_model
@@ -183,7 +184,7 @@ def test_unwritable_cache_turns_the_kernels_off_with_the_reason(tmp_path, monkey
 
 
 def test_cuda_emulator_cache_rebuilds_a_changed_module(cache):
-    from pagedrun.cudaemu import build as emu_build
+    from pagedrun.build.cudaemu import build as emu_build
 
     code = "__global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n"
     built = emu_build.build(code, [], [], None, "k.cu")

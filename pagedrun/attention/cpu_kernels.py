@@ -1,6 +1,6 @@
 """The C++ paged-attention kernel for the CPU (kernels/cpu/paged_attention_cpu.cpp), through ctypes.
 
-Built on first use by pagedrun.cpu_build (per machine, cached under $PAGEDRUN_CACHE/cpu_kernels/).
+Built on first use by pagedrun.build.cpu (per machine, cached under $PAGEDRUN_CACHE/cpu_kernels/).
 When the compiler is missing or the build fails, `load()` returns None and `load_error()` says why;
 the torch backend then falls back to plain torch.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 from pagedrun.attention import kv_cache_spec as kv_quant
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"

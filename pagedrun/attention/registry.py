@@ -32,7 +32,7 @@ def _cupy_gpu() -> bool:
 
 def _emulator_present() -> bool:
     try:
-        import pagedrun.cudaemu  # noqa: F401
+        import pagedrun.build.cudaemu  # noqa: F401
     except Exception:
         return False
     return True

@@ -6,7 +6,7 @@ $PAGEDRUN_CACHE/models/SmolLM2-135M-Instruct, so the rest of pagedrun only ever 
 directories. The weights are dequantised with the `gguf` package directly (the exact float32 values
 llama.cpp would use); only the tokenizer goes through transformers' GGUF support. The directory is
 built in a private temporary sibling and renamed into place with a manifest of its files
-(pagedrun/build_cache.py), so an interrupted run never leaves a half-written model behind and a
+(pagedrun/build/cache.py), so an interrupted run never leaves a half-written model behind and a
 directory another user could have written is never used.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import warnings
 from pathlib import Path
 
-from pagedrun.build_cache import CacheError, build_once, cache_base, private_dir
+from pagedrun.build.cache import CacheError, build_once, cache_base, private_dir
 from pagedrun.errors import PagedrunError
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -38,7 +38,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     """Return the materialised HF directory of the default model, building it on first use.
 
     Its tokenizer and chat template shape every prompt, so the directory is trusted only as the
-    kernel caches are (pagedrun/build_cache.py): private to this user, holding exactly the files the
+    kernel caches are (pagedrun/build/cache.py): private to this user, holding exactly the files the
     conversion recorded, unchanged since; anything else is converted again."""
     try:
         root = private_dir("models", cache_dir)

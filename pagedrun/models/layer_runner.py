@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn.modules import module as nn_module
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.models import ops

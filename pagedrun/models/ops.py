@@ -1,6 +1,6 @@
 """The model's compute ops: linear, RMSNorm (with the residual add), RoPE, SiLU * up.
 
-Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.cpu_build, called
+Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.build.cpu, called
 through ctypes) when its inputs are float32 or bfloat16 CPU tensors it supports, and plain torch
 otherwise (GPU tensors, fp16, odd strides, no compiler). bf16 ops compute in fp32 and round to bf16
 where the torch op they replace would. Both paths follow transformers' op order; they differ
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p

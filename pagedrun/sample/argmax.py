@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "argmax_cpu.cpp"
 

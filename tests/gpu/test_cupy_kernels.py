@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no CUDA GP
 
 def _emulator() -> bool:
     try:
-        import pagedrun.cudaemu  # noqa: F401
+        import pagedrun.build.cudaemu  # noqa: F401
 
         return True
     except Exception:

@@ -1,4 +1,4 @@
-"""The CuPy backend's kernels, run on the CPU through the CUDA emulator (pagedrun.cudaemu).
+"""The CuPy backend's kernels, run on the CPU through the CUDA emulator (pagedrun.build.cudaemu).
 
 Same .cu sources, same launch helpers (pagedrun.attention.cuda.kernels), same grids: only the module
 comes from EmuModule and device arrays are numpy views of the torch CPU tensors (no copies for the

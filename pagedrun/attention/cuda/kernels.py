@@ -1,7 +1,7 @@
 """The .cu kernels as Python callables: sources, variants, v1/v2 choice and launch helpers.
 
 Everything here works on "device arrays" of one array module `xp`: cupy arrays on a GPU, numpy arrays
-under the CUDA-on-CPU emulator (pagedrun.cudaemu), which takes numpy arrays where CUDA takes device
+under the CUDA-on-CPU emulator (pagedrun.build.cudaemu), which takes numpy arrays where CUDA takes device
 pointers. The two attention backends differ only in how they build a module and wrap tensors, so
 grid shapes, shared-memory sizes and argument packing (numpy scalars of the exact parameter types:
 a Python float would be packed as a double) are written once, here.
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
-from pagedrun.attention.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
+from pagedrun.build.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
 from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, MAX_GROUP, MAX_QUANTIZED_GROUP, NUM_THREADS, PARTITION_SIZE,
     QUANTIZED_KV_DTYPES, WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
@@ -129,7 +129,7 @@ def cupy_module_factory(code: str, names: list[str]) -> Any:
 
 def emulator_module_factory(schedule: str = "round_robin", poison_shared: bool = True) -> ModuleFactory:
     def make(code: str, names: list[str]) -> Any:
-        from pagedrun.cudaemu import EmuModule
+        from pagedrun.build.cudaemu import EmuModule
 
         return EmuModule(code, name_expressions=names, schedule=schedule, poison_shared=poison_shared)
 
@@ -371,7 +371,7 @@ def build_kernels(
 @functools.lru_cache(maxsize=None)
 def emulated_kernels(variant: KernelVariant, schedule: str = "round_robin") -> PagedKernels:
     """Compiled once per process per (variant, schedule): emulator compiles are the slow part."""
-    from pagedrun.cudaemu.module import MAX_OPT_IN_SHARED
+    from pagedrun.build.cudaemu.module import MAX_OPT_IN_SHARED
 
     ker = build_kernels(emulator_module_factory(schedule), [variant], np)[variant]
     ker.smem_optin = MAX_OPT_IN_SHARED

@@ -2,7 +2,7 @@
 
 An ASan-instrumented library can only be loaded into a process whose first library is the ASan
 runtime, which a normal `python3` is not. So each launch is shipped to a fresh
-`python3 -m pagedrun.cudaemu.asan` started with LD_PRELOAD=libasan: the arrays go over in an .npz,
+`python3 -m pagedrun.build.cudaemu.asan` started with LD_PRELOAD=libasan: the arrays go over in an .npz,
 the kernel runs there, the arrays come back and are copied into the caller's arrays in place.
 Arrays that are views of one another are copied separately (their aliasing is not preserved).
 """
@@ -21,9 +21,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pagedrun.cudaemu.build import CXX, BuiltModule
-from pagedrun.cudaemu.errors import EmuError, EmuLaunchError
-from pagedrun.cudaemu.launch_cfg import LaunchCfg
+from pagedrun.build.cudaemu.build import CXX, BuiltModule
+from pagedrun.build.cudaemu.errors import EmuError, EmuLaunchError
+from pagedrun.build.cudaemu.launch_cfg import LaunchCfg
 
 _ASAN_OPTIONS = "detect_leaks=0:abort_on_error=0:halt_on_error=1:allocator_may_return_null=1:detect_stack_use_after_return=0"
 
@@ -109,7 +109,7 @@ class AsanRunner:
             with open(os.path.join(tmp, "job.json"), "w") as f:
                 json.dump(job, f)
             res = subprocess.run(
-                [sys.executable, "-m", "pagedrun.cudaemu.asan", "run", tmp], capture_output=True, text=True, env=_child_env()
+                [sys.executable, "-m", "pagedrun.build.cudaemu.asan", "run", tmp], capture_output=True, text=True, env=_child_env()
             )
             result_path = os.path.join(tmp, "result.json")
             if res.returncode != 0 or not os.path.exists(result_path):

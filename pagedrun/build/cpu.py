@@ -4,7 +4,7 @@ Each source is compiled on first use with the system C++ compiler into
 $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cpu_kernels/<sha256 of source, flags, compiler>/, built
 in a temporary directory and published with an atomic rename, so concurrent processes never load a
 half-written library; a cached library is loaded only if this user built it and it is unchanged
-(pagedrun/build_cache.py). The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
+(pagedrun/build/cache.py). The .so is built per machine (-mavx2 -mfma -mf16c, then -mavx512f/bw/vl/dq and
 -mavx512bf16, -mamx-tile -mamx-bf16, each only when this CPU has them).
 
 No torch extension machinery: the libraries take raw data pointers and int64 sizes, so each builds in
@@ -18,7 +18,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from pagedrun.build_cache import CacheError, build_once, private_dir
+from pagedrun.build.cache import CacheError, build_once, private_dir
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 # -fno-trapping-math lets g++ if-convert selects (no result changes, only FP-exception assumptions);

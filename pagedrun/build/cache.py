@@ -1,7 +1,7 @@
 """The caches of things pagedrun builds for itself, and the one rule for trusting what is in them.
 
 Three caches live under $PAGEDRUN_CACHE (default ~/.cache/pagedrun): `cpu_kernels/` (C++ libraries
-loaded with ctypes), `cudaemu/` (emulated CUDA modules, loaded likewise) and `models/` (the converted
+loaded with ctypes), `build/cudaemu/` (emulated CUDA modules, loaded likewise) and `models/` (the converted
 default model: safetensors, config, tokenizer, chat template). A library in there runs as the user
 who loads it, and a tokenizer or chat template shapes every prompt, so an entry is used only if
 

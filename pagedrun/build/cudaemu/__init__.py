@@ -8,8 +8,8 @@ Every CUDA thread is a fiber; __syncthreads and warp collectives are rendezvous 
 that cannot make progress raises EmuDeadlockError naming where each thread waits.
 """
 
-from pagedrun.cudaemu.build import cache_root
-from pagedrun.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
-from pagedrun.cudaemu.module import EmuKernel, EmuModule
+from pagedrun.build.cudaemu.build import cache_root
+from pagedrun.build.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
+from pagedrun.build.cudaemu.module import EmuKernel, EmuModule
 
 __all__ = ["EmuModule", "EmuKernel", "EmuError", "EmuDeadlockError", "EmuLaunchError", "cache_root"]

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pagedrun.cudaemu.build import BuiltModule, build
-from pagedrun.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
-from pagedrun.cudaemu.launch_cfg import LaunchCfg
+from pagedrun.build.cudaemu.build import BuiltModule, build
+from pagedrun.build.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
+from pagedrun.build.cudaemu.launch_cfg import LaunchCfg
 
 SCHEDULES = {"round_robin": 0, "greedy": 1}
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # CUDA's limit without the opt-in attribute
@@ -208,7 +208,7 @@ class EmuModule:
         self._runner = None
         self._lib: Any
         if sanitize is not None and not _asan_loaded():
-            from pagedrun.cudaemu.asan import AsanRunner
+            from pagedrun.build.cudaemu.asan import AsanRunner
 
             self._runner = AsanRunner(self.built)
             # Signatures and shared sizes come from the plain build (same kernels, same table).

@@ -3,7 +3,7 @@
 Cache: $PAGEDRUN_CACHE (default ~/.cache/pagedrun)/cudaemu/<sha256>/module.so, keyed by the
 source, options, name expressions, sanitizer, compiler version and the emulator headers; files the
 source #includes are recorded with their hashes and checked on every load. A cached module is
-loaded only if this user built it and it is unchanged (pagedrun/build_cache.py).
+loaded only if this user built it and it is unchanged (pagedrun/build/cache.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pagedrun.build_cache import CacheError, build_once, cache_base, private_dir
-from pagedrun.cudaemu.errors import EmuError
-from pagedrun.cudaemu.source import FoundKernel, find_kernels, rewrite
+from pagedrun.build.cache import CacheError, build_once, cache_base, private_dir
+from pagedrun.build.cudaemu.errors import EmuError
+from pagedrun.build.cudaemu.source import FoundKernel, find_kernels, rewrite
 
 EMU_DIR = Path(os.environ.get("PAGEDRUN_EMU_DIR", Path(__file__).resolve().parents[2] / "kernels" / "emulator"))
 CXX = os.environ.get("PAGEDRUN_EMU_CXX", "g++")
