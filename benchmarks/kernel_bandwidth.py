@@ -1,4 +1,4 @@
-"""Achieved memory bandwidth of the paged decode kernel (kernels/paged_attention.cu) on a GPU,
+"""Achieved memory bandwidth of the paged decode kernel (kernels/cuda/paged_attention.cu) on a GPU,
 as a fraction of a measured device-to-device copy.
 
     python3 benchmarks/kernel_bandwidth.py [--dtype bfloat16] [--head-size 128] [--configs 64x4096,8x16384]
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="SEQSxCONTEXT,... (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
     p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                   help="compile the kernels with this macro (e.g. PR_V_BATCH=4, kernels/attention_common.cuh)")
+                   help="compile the kernels with this macro (e.g. PR_V_BATCH=4, kernels/cuda/attention_common.cuh)")
     a = p.parse_args(argv)
     for d in a.define:
         if not re.fullmatch(r"PR_[A-Z0-9_]+=\d+", d):

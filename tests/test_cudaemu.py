@@ -1,6 +1,6 @@
 """The CUDA-on-CPU emulator (pagedrun.build.cudaemu): semantics, bug detection, argument checks, caching.
 
-Kernels live in tests/emu_kernels/*.cu and are plain CUDA. Each .cu file is compiled once per
+Kernels live in tests/emu_kernels/cuda/*.cu and are plain CUDA. Each .cu file is compiled once per
 cache (~/.cache/pagedrun/cudaemu or $PAGEDRUN_CACHE), so a warm run does not invoke g++.
 """
 

@@ -1,4 +1,4 @@
-"""Compile gates for kernels/*.cu without a GPU: nvcc (sm_80, sm_90) and NVRTC (what CuPy runs).
+"""Compile gates for kernels/cuda/*.cu without a GPU: nvcc (sm_80, sm_90) and NVRTC (what CuPy runs).
 
 - nvcc -cubin -arch=sm_XX -Werror all-warnings -Xptxas -v over an instantiation file naming the
   kernels; ptxas' resource report (registers, spills, shared memory) is printed as a table into the

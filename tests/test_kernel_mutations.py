@@ -1,4 +1,4 @@
-"""Mutation matrix: plant one bug per copy of kernels/paged_attention.cu and show the checks catch it.
+"""Mutation matrix: plant one bug per copy of kernels/cuda/paged_attention.cu and show the checks catch it.
 
 Each mutation is a literal string replacement on the real source (asserted to apply exactly as
 often as stated), so this file documents exactly what changed. All mutants are compiled into ONE
@@ -162,7 +162,7 @@ def mutant_module(schedule: str):
     control_v2 = names_for(CONTROL, "v2")
     return EmuModule(
         combined_source(everything), name_expressions=names + control_v2, schedule=schedule,
-        filename="kernels/paged_attention.cu (mutants)",
+        filename="kernels/cuda/paged_attention.cu (mutants)",
     )
 
 

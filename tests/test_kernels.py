@@ -1,4 +1,4 @@
-"""kernels/*.cu run on the CPU through the CUDA emulator, checked against a float64 numpy reference.
+"""kernels/cuda/*.cu run on the CPU through the CUDA emulator, checked against a float64 numpy reference.
 
 Matrix (small problems, the emulator costs ~ms per launch; the compiles are what costs, so each
 dtype's variants share one module, built for all three dtypes in parallel):
@@ -208,7 +208,7 @@ def emu_kernels(dtype: str, schedule: str = "round_robin") -> dict[K.KernelVaria
 
     module = EmuModule(
         K.full_source(), name_expressions=module_names(dtype), schedule=schedule,
-        filename="kernels/paged_attention.cu",
+        filename="kernels/cuda/paged_attention.cu",
     )
     variants = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype) + grouped_variants(dtype))
     return {v: K.PagedKernels(v, module, np) for v in variants}

@@ -39,7 +39,7 @@ def module(schedule: str = "round_robin"):
     from pagedrun.build.cudaemu import EmuModule
 
     names = list(dict.fromkeys(n for c in CASES for n in variant(*c).name_expressions(("v1", "v2"))))
-    return EmuModule(K.full_source(), name_expressions=names, schedule=schedule, filename="kernels/paged_attention.cu")
+    return EmuModule(K.full_source(), name_expressions=names, schedule=schedule, filename="kernels/cuda/paged_attention.cu")
 
 
 def kernels(v: K.KernelVariant, schedule: str = "round_robin") -> K.PagedKernels:
@@ -153,7 +153,7 @@ def test_a_forced_group_the_variant_does_not_launch_is_refused(emu):
 @pytest.mark.parametrize("defines", [{"PR_V_BATCH": 1, "PR_K_CHUNK_ELEMS": 64}, {"PR_V_BATCH": 2, "PR_K_CHUNK_ELEMS": 256}],
                          ids=["V1-K64", "V2-K256"])
 def test_loads_in_flight_settings_change_no_bits(emu, defines):
-    """PR_V_BATCH / PR_K_CHUNK_ELEMS (kernels/attention_common.cuh) decide how many loads a lane has
+    """PR_V_BATCH / PR_K_CHUNK_ELEMS (kernels/cuda/attention_common.cuh) decide how many loads a lane has
     in flight, never the order of a sum: any setting gives the default's bits (the H200 A/B of
     2026-11-26 checked the same on the GPU). Grouped and one-head, v1 and v2, ragged lengths."""
     from pagedrun.build.cudaemu import EmuModule
@@ -162,7 +162,7 @@ def test_loads_in_flight_settings_change_no_bits(emu, defines):
     v = variant(*case)
     names = v.name_expressions(("v1", "v2"))
     code = "".join(f"#define {k} {n}\n" for k, n in defines.items()) + K.full_source()
-    other = K.PagedKernels(v, EmuModule(code, name_expressions=names, filename="kernels/paged_attention.cu"), np)
+    other = K.PagedKernels(v, EmuModule(code, name_expressions=names, filename="kernels/cuda/paged_attention.cu"), np)
     c = make_case(v, [1, 15, 16, 17, 600], case[3], case[4], seed=11)
     for version in ("v1", "v2"):
         for group in (1, v.group):

@@ -124,7 +124,7 @@ def emu_kernels(kv: str, schedule: str = "round_robin") -> dict[K.KernelVariant,
     names = [n for v in variants for n in v.name_expressions(("v1", "cache"))]
     names += [n for v in v2_variants(kv) for n in v.name_expressions(("v2",))]
     module = EmuModule(K.full_source(), name_expressions=list(dict.fromkeys(names)), schedule=schedule,
-                       filename="kernels/paged_attention.cu")
+                       filename="kernels/cuda/paged_attention.cu")
     return {v: K.PagedKernels(v, module, np) for v in variants}
 
 
@@ -197,7 +197,7 @@ def grouped_kernels(kv: str) -> dict[K.KernelVariant, K.PagedKernels]:
 
     variants = [K.KernelVariant(d, h, b, kv, g) for d, h, b, _, _, g in GROUPED]
     names = list(dict.fromkeys(n for v in variants for n in v.name_expressions(("v1", "v2"))))
-    module = EmuModule(K.full_source(), name_expressions=names, filename="kernels/paged_attention.cu")
+    module = EmuModule(K.full_source(), name_expressions=names, filename="kernels/cuda/paged_attention.cu")
     kers = {v: K.PagedKernels(v, module, np) for v in variants}
     for ker in kers.values():
         ker.smem_optin = MAX_OPT_IN_SHARED

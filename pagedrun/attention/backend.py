@@ -1,6 +1,6 @@
 """The attention backend interface: write this step's K/V into the paged cache, then attend.
 
-Cache layout (shared by every backend and by kernels/*.cu), one pair of tensors per layer:
+Cache layout (shared by every backend and by kernels/cuda/*.cu), one pair of tensors per layer:
 
     key_cache   [num_blocks, block_size, num_kv_heads, head_size]
     value_cache [num_blocks, block_size, num_kv_heads, head_size]

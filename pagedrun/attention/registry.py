@@ -2,7 +2,7 @@
 
 auto  -> cupy when CuPy sees a GPU and the model runs on a CUDA device, else torch.
 torch -> pagedrun.attention.torch_backend (plain torch, any device).
-cupy  -> kernels/*.cu through cupy.RawModule; needs a CUDA GPU.
+cupy  -> kernels/cuda/*.cu through cupy.RawModule; needs a CUDA GPU.
 emulated -> the same kernels through the CUDA-on-CPU emulator (tests; very slow).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pagedrun.build.cache import CacheError, build_once, private_dir
 
-KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
 # -fno-trapping-math lets g++ if-convert selects (no result changes, only FP-exception assumptions);
 # no -ffast-math: reductions keep a fixed order. g++ contracts a*b+c into FMAs in C++ by default (the
 # attention kernel's dot products rely on it); a source that must round like torch passes

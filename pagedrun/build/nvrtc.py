@@ -1,6 +1,6 @@
 """NVRTC without CuPy and without a GPU: libnvrtc driven through ctypes, the calls cupy.RawModule makes.
 
-CuPy compiles kernels/*.cu at run time with NVRTC: createProgram, one addNameExpression per
+CuPy compiles kernels/cuda/*.cu at run time with NVRTC: createProgram, one addNameExpression per
 templated kernel, compileProgram with the options, getLoweredName for each name, getCUBIN. The
 same calls here let CI (no GPU, no CuPy) prove that every variant compiles for sm_80 and sm_90
 exactly as it will on a GPU. libnvrtc comes from the `nvidia-cuda-nvrtc` wheel (CUDA 13:

@@ -1,4 +1,4 @@
-"""Paged attention on an NVIDIA GPU: the kernels/*.cu sources through cupy.RawModule (NVRTC).
+"""Paged attention on an NVIDIA GPU: the kernels/cuda/*.cu sources through cupy.RawModule (NVRTC).
 
 Tensors stay torch CUDA tensors owned by the engine; each call wraps them as CuPy arrays through
 DLPack (zero copy, bf16 as an int16 view since the kernels only need the address, strides taken

@@ -26,7 +26,7 @@ from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     QUANTIZED_KV_DTYPES, WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
 )
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels" / "cuda"
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
 

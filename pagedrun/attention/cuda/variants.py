@@ -2,7 +2,7 @@
 size), and the template names (name expressions) NVRTC / the emulator instantiate for it.
 
 The KV-cache dtype (issue 18) is the last template argument of the attention and cache kernels,
-defaulted to kAuto in kernels/*.cu, so an unquantized variant keeps the names it always had.
+defaulted to kAuto in kernels/cuda/*.cu, so an unquantized variant keeps the names it always had.
 bfloat16 has no numpy dtype: bf16 tensors travel as int16/uint16 views and the variant's `dtype`
 says how the kernel reads them; fp8 caches travel as uint8 bit patterns, int8 caches as int8.
 """

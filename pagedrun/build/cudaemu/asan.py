@@ -43,7 +43,7 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["LD_PRELOAD"] = libasan_path()
     env["ASAN_OPTIONS"] = _ASAN_OPTIONS
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

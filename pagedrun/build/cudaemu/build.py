@@ -22,7 +22,7 @@ from pagedrun.build.cache import CacheError, build_once, cache_base, private_dir
 from pagedrun.build.cudaemu.errors import EmuError
 from pagedrun.build.cudaemu.source import FoundKernel, find_kernels, rewrite
 
-EMU_DIR = Path(os.environ.get("PAGEDRUN_EMU_DIR", Path(__file__).resolve().parents[2] / "kernels" / "emulator"))
+EMU_DIR = Path(os.environ.get("PAGEDRUN_EMU_DIR", Path(__file__).resolve().parents[3] / "kernels" / "emulator"))
 CXX = os.environ.get("PAGEDRUN_EMU_CXX", "g++")
 BASE_FLAGS = [
     "-std=c++20",
