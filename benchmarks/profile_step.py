@@ -60,7 +60,7 @@ def main() -> None:
     eng.runner.build_metadata = timed("metadata", eng.runner.build_metadata)
     eng.sampler.__class__.__call__ = timed("sampler", eng.sampler.__class__.__call__)
     eng._record = timed("metrics record", eng._record)
-    # The kernel committing KV-cache pages ahead of first use (kv/populate.py): 0.14-1.1 s of the
+    # The kernel committing KV-cache pages ahead of first use (worker/populate.py): 0.14-1.1 s of the
     # default model's standard run on a KVM guest, depending on whether the host still backs them.
     eng.populator.ensure = timed("kv pages committed", eng.populator.ensure)
     torch_backend.reshape_and_cache = timed("cache writes", torch_backend.reshape_and_cache)

@@ -142,7 +142,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
                        flops, quick, isolate)
     result["roof"] = roof.as_dict()
     result["machine"]["load_average_start"] = load_start
-    # pagedrun's own allocator settings (pagedrun/malloc_tuning.py; HF keeps glibc's defaults).
+    # pagedrun's own allocator settings (pagedrun/worker/malloc_tuning.py; HF keeps glibc's defaults).
     result["machine"]["pagedrun_malloc_tuning"] = next(
         (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
     result["matmul_flops_per_s_samples"] = roof.samples

@@ -114,9 +114,9 @@ def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
         "kv_utilisation_kind": "measured per step: tokens stored / blocks in use x block_size, summed over steps",
         "report": report,
         "kv_populate_s": llm.engine.populator.seconds,
-        "kv_populate_s_kind": "measured: wall time committing KV-cache pages inside the run (kv/populate.py); "
+        "kv_populate_s_kind": "measured: wall time committing KV-cache pages inside the run (worker/populate.py); "
                               "vLLM zeroes its whole cache at load",
-        # What pagedrun's engine set for itself (pagedrun/malloc_tuning.py); HF runs with glibc's
+        # What pagedrun's engine set for itself (pagedrun/worker/malloc_tuning.py); HF runs with glibc's
         # defaults, which measured faster for it.
         "malloc_tuning": llm.engine.malloc_tuning,
     }

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from pagedrun.attention.kv_cache_spec import kv_cache_spec
-from pagedrun.kv.memory import MemoryPlan
+from pagedrun.worker.memory import MemoryPlan
 
 
 def kv_dtype_rows(plan: MemoryPlan, model_cfg, model_dtype: torch.dtype, configured: str) -> list[dict]:

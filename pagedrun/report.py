@@ -164,7 +164,7 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "num_steps": (M, "engine steps recorded"),
     "num_requests": (M, "requests finished in this run"),
     "num_errors": (M, "requests finished with an error"),
-    "memory_plan": (M, "the KV cache plan the engine allocated (pagedrun.kv.memory.MemoryPlan)"),
+    "memory_plan": (M, "the KV cache plan the engine allocated (pagedrun.worker.memory.MemoryPlan)"),
     "kv_capacity.blocks": (M, "GPU/device KV blocks allocated"),
     "kv_capacity.block_size": (M, "tokens per block"),
     "kv_capacity.tokens": (D, "blocks x block_size"),
@@ -172,7 +172,7 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "kv_capacity.bytes_per_token": (D, "block_bytes / block_size"),
     "kv_capacity.kv_cache_dtype": (D, "cache.kv_cache_dtype resolved: auto = the model's dtype, fp8 = fp8_e4m3"),
     "kv_pages_committed.blocks": (M, "blocks whose memory the kernel committed ahead of first use "
-                                     "(kv/populate.py); 0 where that is off (a GPU, an old kernel)"),
+                                     "(worker/populate.py); 0 where that is off (a GPU, an old kernel)"),
     "kv_pages_committed.bytes": (D, "blocks x block_bytes"),
     "kv_pages_committed.seconds": (M, "wall time committing them, inside the run (vLLM zeroes its cache "
                                       "at load)"),
@@ -228,7 +228,7 @@ def _leaves(d: dict, prefix: str = ""):
 
 
 def _pages_committed(engine, block_bytes: int) -> dict:
-    pop = engine.populator  # kv/populate.py's CachePopulator, or what a Ray replica reported of it
+    pop = engine.populator  # worker/populate.py's CachePopulator, or what a Ray replica reported of it
     return {"blocks": pop.blocks_committed, "bytes": pop.blocks_committed * block_bytes, "seconds": pop.seconds}
 
 

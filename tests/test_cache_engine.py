@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pagedrun.kv.cache_engine import CacheEngine
+from pagedrun.worker.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
 
 L, H, D, BS = 3, 2, 4, 4

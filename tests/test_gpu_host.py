@@ -412,11 +412,11 @@ def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
 
 # ---------------------------------------------------------------- 2. memory: budget and allocation
 
-from pagedrun.kv import memory as M  # noqa: E402
+from pagedrun.worker import memory as M  # noqa: E402
 from pagedrun.attention.scratch import attention_scratch_bytes  # noqa: E402
-from pagedrun.kv.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
-from pagedrun.kv import torch_cap as TC  # noqa: E402
-from pagedrun.kv.profiler import CudaReadings, cuda_profile  # noqa: E402
+from pagedrun.worker.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
+from pagedrun.worker import torch_cap as TC  # noqa: E402
+from pagedrun.worker.profiler import CudaReadings, cuda_profile  # noqa: E402
 from pagedrun.config.recipe import CacheConfig  # noqa: E402
 
 GiB = 1 << 30

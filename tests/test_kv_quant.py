@@ -10,7 +10,7 @@ import torch
 
 from pagedrun.errors import PagedrunError
 from pagedrun.attention import kv_cache_spec as kv_quant
-from pagedrun.kv.cache_engine import CacheEngine
+from pagedrun.worker.cache_engine import CacheEngine
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 
 from attention_reference import assert_matches_reference

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedrun.engine.llm import LLM
-from pagedrun.engine.model_runner import ModelInput
+from pagedrun.worker.model_runner import ModelInput
 from pagedrun.models import layer_runner, ops
 from tiny_models import FAMILIES, make_tiny_model
 

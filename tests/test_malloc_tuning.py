@@ -1,4 +1,4 @@
-"""pagedrun/malloc_tuning.py: the glibc settings the CPU engine applies, and what they do.
+"""pagedrun/worker/malloc_tuning.py: the glibc settings the CPU engine applies, and what they do.
 
 Each case runs in a fresh interpreter: mallopt changes the whole process. What is asserted is
 glibc's documented behaviour for one allocation the script makes itself with malloc, read back
@@ -30,7 +30,7 @@ SIZE = 16 * MIB  # an activation-sized block: above glibc's default mmap thresho
 # process allocates between the readings (the list of pointers is made beforehand).
 SCRIPT = """
 import ctypes, ctypes.util, json, mmap, resource
-from pagedrun.malloc_tuning import tune_glibc_malloc
+from pagedrun.worker.malloc_tuning import tune_glibc_malloc
 settings = tune_glibc_malloc()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -100,7 +100,7 @@ def test_settings_applied_and_freed_activations_stay_in_the_heap():
 
 def test_the_cpu_engine_applies_them(tmp_path):
     from pagedrun.engine.llm import LLM
-    from pagedrun.malloc_tuning import tune_glibc_malloc
+    from pagedrun.worker.malloc_tuning import tune_glibc_malloc
     from tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("llama", tmp_path / "m")

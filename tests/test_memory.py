@@ -1,4 +1,4 @@
-"""Memory profiling and KV sizing (pagedrun/kv/profiler.py, pagedrun/kv/memory.py, `pagedrun profile-memory`).
+"""Memory profiling and KV sizing (pagedrun/worker/profiler.py, pagedrun/worker/memory.py, `pagedrun profile-memory`).
 
 - block bytes from config.json for every family and for the default model (23,040 B/token in fp16);
 - the CUDA arithmetic with the numbers a GPU would report injected, its failure messages, overrides;
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrun.attention import scratch as S
-from pagedrun.kv.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
-from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
+from pagedrun.worker.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
+from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import read_config
 from pagedrun.config.recipe import CacheConfig
@@ -285,7 +285,7 @@ TOLERANCE = 48 * MiB
 _FILL_RUN = """
 import json, random, sys
 from pagedrun.engine.llm import LLM
-from pagedrun.kv.profiler import PeakRSS, rss_bytes
+from pagedrun.worker.profiler import PeakRSS, rss_bytes
 from pagedrun.sampling_params import SamplingParams
 
 llm = LLM(None, [f"model.path={sys.argv[1]}", "model.threads=1", "cache.kv_cache_memory=64MiB",

@@ -1,4 +1,4 @@
-"""kv/populate.py: blocks are resident before use, the rest of the cache is not committed, and the
+"""worker/populate.py: blocks are resident before use, the rest of the cache is not committed, and the
 block pool's high-water mark covers every block it ever handed out."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedrun.kv.block_pool import BlockPool
-from pagedrun.kv.populate import CachePopulator
+from pagedrun.worker.populate import CachePopulator
 
 
 def resident_pages(addr: int, length: int) -> list[bool]:

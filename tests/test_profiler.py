@@ -6,7 +6,7 @@ import torch
 
 from pagedrun.attention.registry import make_backend
 from pagedrun.engine.llm import LLM
-from pagedrun.kv import profiler
+from pagedrun.worker import profiler
 from pagedrun.models.loader import load_model
 from pagedrun.config.recipe import load_recipe
 from tiny_models import make_tiny_model

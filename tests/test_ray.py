@@ -82,10 +82,10 @@ def records(out: Path) -> list[dict]:
 
 
 def populate_works() -> bool:
-    """Whether this kernel commits pages on request (kv/populate.py), probed on a small cache."""
+    """Whether this kernel commits pages on request (worker/populate.py), probed on a small cache."""
     import torch
 
-    from pagedrun.kv.populate import CachePopulator
+    from pagedrun.worker.populate import CachePopulator
 
     pop = CachePopulator([torch.zeros(1, 2, 4, 1024)], chunk_blocks=4)
     pop.ensure(1)

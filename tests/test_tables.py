@@ -17,8 +17,8 @@ from rich.table import Table
 
 from pagedrun.attention import scratch as S
 from pagedrun.bench_tables import bench_tables
-from pagedrun.kv.memory import GiB, MiB, plan_memory, requests_fit
-from pagedrun.kv.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
+from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
+from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
 from pagedrun.profile_memory import plan_json, plan_table
 from pagedrun.config.recipe import CacheConfig, load_recipe
 from pagedrun.tables import WIDTH, results_console
@@ -156,7 +156,7 @@ def test_kv_dtype_table_fits_80_columns_and_scales_with_bytes():
 
     import torch
 
-    from pagedrun.kv.memory import fmt_bytes
+    from pagedrun.worker.memory import fmt_bytes
     from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
 
     plan = _cpu_plan()  # 30 layers x 3 kv heads x 64, bf16: 23,040 B per token

@@ -1,5 +1,5 @@
 """What attention allocates beyond the memory profile's pass, as formulas (derived, not measured):
-kv/memory.py budgets it, the torch backend chunks its decode to stay within it.
+worker/memory.py budgets it, the torch backend chunks its decode to stay within it.
 
 The profile pass prefills fresh prompts of at most max_num_batched_tokens / max_num_seqs tokens.
 A real run also prefills behind a cached prefix as long as max_model_len, decodes max_num_seqs

@@ -172,7 +172,7 @@ class BlockPool:
         self._next_cache_id = 0
         self._num_cached_free = 0  # hashed blocks in the free queue (kept as a count: read every step)
         # 1 + the highest block id ever handed out. Never-used blocks leave the queue in id order,
-        # so the blocks ever used are exactly [0, num_blocks_touched) (kv/populate.py relies on it).
+        # so the blocks ever used are exactly [0, num_blocks_touched) (worker/populate.py relies on it).
         self.num_blocks_touched = 0
 
     # ------------------------------------------------------------------ allocation

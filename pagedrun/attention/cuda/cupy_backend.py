@@ -208,7 +208,7 @@ class CupyAttentionBackend:
 
     def load_decode_kernels(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
         """Both decode kernels launched once, so that the memory profile counts their code
-        (kv/profiler.py run_profile; paged_step.launch_each_version)."""
+        (worker/profiler.py run_profile; paged_step.launch_each_version)."""
         with self._stream(key_cache.device):
             paged_step.launch_each_version(self.kernels(key_cache, dtype), as_cupy, key_cache, value_cache, dtype,
                                            alloc=torch_alloc(key_cache.device))

@@ -1,4 +1,4 @@
-"""Step 1 of the KV sizing (pagedrun/kv/memory.py): one profile pass of the worst step the
+"""Step 1 of the KV sizing (pagedrun/worker/memory.py): one profile pass of the worst step the
 scheduler may build, and the machine's memory read around it.
 
     CUDA  torch.cuda max_memory_allocated for the pass (+ reserved-not-allocated at its peak),
@@ -174,8 +174,8 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
                 num_profile_layers: int = PROFILE_LAYERS) -> MemoryProfile:
     """One forward pass of the worst step the scheduler may build (its first `num_profile_layers`
     decoder layers, the final norm and the LM head), plus the sampler, measured."""
-    from pagedrun.engine.model_runner import ModelInput, ModelRunner
-    from pagedrun.kv.cache_engine import CacheEngine
+    from pagedrun.worker.model_runner import ModelInput, ModelRunner
+    from pagedrun.worker.cache_engine import CacheEngine
     from pagedrun.sample.sampler import Sampler, SamplingRow
     from pagedrun.sampling_params import SamplingParams
 
@@ -260,7 +260,7 @@ def cuda_index(device: torch.device) -> int:
 
 
 def _read_cuda(step, device, dummy_bytes: int) -> dict:
-    torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))  # an earlier engine's cap (kv/torch_cap.py)
+    torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))  # an earlier engine's cap (worker/torch_cap.py)
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()

@@ -9,7 +9,7 @@
                 block_bytes = 2 (K, V) x layers x kv_heads x head_dim x block_size x dtype bytes
     `cache.num_blocks` overrides step 3 (the profile still runs, for the report and the checks).
 
-Measuring and deciding are separate: pagedrun/kv/profiler.py reads the machine into a
+Measuring and deciding are separate: pagedrun/worker/profiler.py reads the machine into a
 MemoryProfile, and `plan_memory` here is pure arithmetic on it, so tests inject numbers a GPU
 would report.
 Every way the plan can fail raises KVBudgetError, one line naming the missing bytes and the recipe
@@ -24,7 +24,7 @@ import torch
 
 from pagedrun.errors import PagedrunError
 from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
-from pagedrun.kv.profiler import MemoryProfile, mem_available_bytes, run_profile
+from pagedrun.worker.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -60,7 +60,7 @@ class MemoryPlan:
     attention_scratch_bytes: int = 0
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
-    # (kv/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of
+    # (worker/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of
     # many step shapes: 0.04-0.10 GiB over the limit on the H200 (2026-11-26), with no more live
     # memory than the plan holds.
     torch_cap_bytes: int = 0
@@ -177,7 +177,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
     # A layer's decode gather ends before its prefills' scratch is allocated: never live at once.
     scratch = max(attention_scratch, decode_gather) if cuda else 0
     peak = profile.peak_in_use_bytes + scratch
-    capped = cuda and cache_cfg.num_blocks is None  # kv/torch_cap.py holds torch
+    capped = cuda and cache_cfg.num_blocks is None  # worker/torch_cap.py holds torch
     headroom = 0
     if cuda:
         u = cache_cfg.gpu_memory_utilization

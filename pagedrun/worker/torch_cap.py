@@ -1,7 +1,7 @@
 """Holding torch's CUDA caching allocator to the memory plan, and the one-line error when a step
 still runs out of device memory.
 
-The plan (kv/memory.py) sizes the KV cache from gpu_memory_utilization x total less what the
+The plan (worker/memory.py) sizes the KV cache from gpu_memory_utilization x total less what the
 profile saw in use. Torch then keeps freed blocks of every step shape it meets; on an H200
 (2026-11-26) that took a run 0.04-0.10 GiB past the limit with no more live memory than the plan
 held. Capped at the plan's share, the allocator frees its cached blocks and retries before it
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedrun.kv.memory import KVBudgetError, MemoryPlan, fmt_bytes
-from pagedrun.kv.profiler import cuda_index
+from pagedrun.worker.memory import KVBudgetError, MemoryPlan, fmt_bytes
+from pagedrun.worker.profiler import cuda_index
 
 
 def step_out_of_memory(plan: MemoryPlan, num_tokens: int, error: BaseException) -> KVBudgetError:
