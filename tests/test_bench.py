@@ -26,7 +26,7 @@ def prompts(tmp_path):
 
 
 def bench(model_dir, prompts, tmp_path, engines=("pagedrun", "hf-static", "hf-continuous")):
-    from pagedrun.bench import run_bench
+    from pagedrun.bench.run.run import run_bench
 
     out = tmp_path / "bench.json"
     console = Console(file=io.StringIO(), width=200)
@@ -81,7 +81,7 @@ def _check_module():
 
 
 def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monkeypatch):
-    import pagedrun.bench_engines as engines_mod
+    import pagedrun.bench.engines as engines_mod
 
     real = engines_mod._run_hf_static
 
@@ -101,7 +101,7 @@ def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monk
 
 
 def test_workloads_are_deterministic_and_shaped_as_specified():
-    from pagedrun.workloads import make_workload
+    from pagedrun.bench.run.workloads import make_workload
 
     std = make_workload("standard", 4000, quick=False)
     assert len(std) == 64 and std == make_workload("standard", 4000, quick=False)

@@ -16,7 +16,7 @@ from rich.markdown import Markdown
 from rich.table import Table
 
 from pagedrun.attention import scratch as S
-from pagedrun.bench_tables import bench_tables
+from pagedrun.bench.run.tables import bench_tables
 from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
 from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
 from pagedrun.profile_memory import plan_json, plan_table

@@ -9,7 +9,7 @@ from rich.table import Table
 
 
 def _table(title: str | None, columns: list[str], *, folds: str | None = None) -> Table:
-    # The bench tables' layout (bench_tables.py): no edges, columns two spaces apart. Numbers never
+    # The bench tables' layout (bench/tables.py): no edges, columns two spaces apart. Numbers never
     # wrap; `folds` is the one text column that may (a node's host name), so a long name cannot
     # push a number out.
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))

@@ -1,6 +1,6 @@
 """Runs inside vLLM's own interpreter (benchmarks/vllm_cpu_venv.sh builds it): one vLLM configuration
 of `pagedrun bench` on the parent's requests. Standard library and vllm only: pagedrun is not
-installed there. Invoked by path: python bench_vllm_worker.py SPEC.json RESULT.json.
+installed there. Invoked by path: python bench/vllm_worker.py SPEC.json RESULT.json.
 
 Times the load (engine start-up, torch.compile included) and the generation apart, and samples the
 resident memory of this process and every process it started (vLLM runs a front end, an engine

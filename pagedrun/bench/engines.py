@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.workloads import BenchRequest
+from pagedrun.bench.run.workloads import BenchRequest
 
 
 def run_isolated(spec: dict) -> dict:
@@ -30,7 +30,7 @@ def run_isolated(spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="pagedrun-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-c", "from pagedrun.bench_engines import _worker_main; _worker_main()",
+        proc = subprocess.run([sys.executable, "-c", "from pagedrun.bench.engines import _worker_main; _worker_main()",
                                str(spec_path), str(out_path)], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
