@@ -1,3 +1,3 @@
-from pagedrun.cli import main
+from pagedrun.cli.app.app import main
 
 main()

@@ -127,7 +127,7 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
 def cpu_kernels_status(engine) -> str | None:
     """'on' or 'off (<why>)' for the C++ CPU kernels of a CPU engine, None on a GPU. Loads them
     (once per process), so that start-up can say it before the first step builds them."""
-    device = getattr(engine, "device", None)  # absent on a Ray replica's rebuilt view (distributed/merge.py)
+    device = getattr(engine, "device", None)  # absent on a Ray replica's rebuilt view (cli/ray/merge.py)
     if device is None or device.type != "cpu":
         return None
     from pagedrun.build import cpu as cpu_build

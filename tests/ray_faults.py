@@ -1,5 +1,5 @@
 """Faults injected into Ray replicas by tests/test_ray.py: replica subclasses the driver is pointed at
-(monkeypatching pagedrun.distributed.driver.EngineReplica), so pagedrun itself carries no test hook.
+(monkeypatching pagedrun.cli.ray.driver.EngineReplica), so pagedrun itself carries no test hook.
 
 This module must be importable by the Ray workers (the cluster fixture puts tests/ on PYTHONPATH):
 Ray pickles these classes by reference and a worker imports them from here.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedrun.distributed.replica import EngineReplica
+from pagedrun.cli.app.ray.replica import EngineReplica
 
 # A file holding an integer N; the first CrashingReplica to start its (N+1)-th batch while the file
 # exists removes it and kills its own process mid-batch (os._exit), as an OOM kill would. An

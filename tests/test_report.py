@@ -139,7 +139,7 @@ def test_percentiles_interpolate_like_numpy():
 def test_generate_cli_writes_report_and_plot(model_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from pagedrun.cli import app
+    from pagedrun.cli.app.app import app
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p, "max_tokens": 3, "ignore_eos": True}) + "\n"

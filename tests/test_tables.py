@@ -19,7 +19,7 @@ from pagedrun.attention import scratch as S
 from pagedrun.bench.run.tables import bench_tables
 from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
 from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
-from pagedrun.profile_memory import plan_json, plan_table
+from pagedrun.cli.app.profile_memory import plan_json, plan_table
 from pagedrun.config.recipe import CacheConfig, load_recipe
 from pagedrun.tables import WIDTH, results_console
 
@@ -199,7 +199,7 @@ def _replica_report(num_requests, prompt, output, wall_s, peak, blocks, preempte
 
 def test_replica_table_fits_80_columns():
     """A job of ~1M prompt tokens over 8 GPUs: two stacked tables, the work then the cache."""
-    from pagedrun.distributed.replica_table import print_replicas, replica_tables
+    from pagedrun.cli.app.ray.replica_table import print_replicas, replica_tables
 
     one = _replica_report(12_345, 1_234_567, 123_456, 1234.56, 12_345, 16_384, 123)
     total = _replica_report(98_760, 9_876_536, 987_648, 1234.56, 98_760, 131_072, 984)
@@ -218,7 +218,7 @@ def test_replica_table_fits_80_columns():
 
 def test_replica_table_fits_the_widest_job_and_folds_a_long_host_name():
     """10^7 requests and 10^10 prompt tokens per replica, 10^6 s, and a node shown by its host name."""
-    from pagedrun.distributed.replica_table import replica_tables
+    from pagedrun.cli.app.ray.replica_table import replica_tables
 
     one = _replica_report(9_999_999, 9_999_999_999, 999_999_999, 999_999.0, 9_999_999, 9_999_999, 9_999_999)
     one["prefix_cache"]["hit_rate"] = None  # no prompt tokens looked up: "-"
@@ -268,7 +268,7 @@ def _summary_report() -> dict:
 def test_generate_summary_fits_80_columns_and_folds_a_long_path():
     from types import SimpleNamespace as NS
 
-    from pagedrun.run_output import print_summary
+    from pagedrun.cli.app.job import print_summary
 
     results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7, metrics={})] * 3
     path = Path("/data/" + "x" * 120 + "/outputs.jsonl")

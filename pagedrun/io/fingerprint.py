@@ -1,6 +1,6 @@
 """Content hashes of input files: what resume compares to refuse mixing outputs of two prompts files.
 
-Below both cli.py and generate.py (and anything else that needs a file's digest), so neither imports
+Below both cli/app.py and cli/generate.py (and anything else that needs a file's digest), so neither imports
 the other for it.
 """
 from __future__ import annotations

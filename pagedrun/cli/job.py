@@ -1,7 +1,7 @@
-"""What a run does around the engine that a local run (generate.py) and a Ray run
-(distributed/driver.py) share: open the output (resume), print the summary, pick the exit code.
+"""What a run does around the engine that a local run (cli/generate.py) and a Ray run
+(cli/ray/driver.py) share: open the output (resume), print the summary, pick the exit code.
 
-Below both, so neither imports the other (generate.py imports distributed/ for --ray).
+Below both, so neither imports the other (cli/generate.py imports cli/ray/ for --ray).
 """
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedrun.distributed.cluster import actor_resources, connect, import_ray, quiet_ray_logs
-from pagedrun.distributed.merge import ReplicaRecord, merged_report
-from pagedrun.distributed.replica import EngineReplica, error_output
-from pagedrun.distributed.replica_table import print_replicas
+from pagedrun.cli.app.ray.cluster import actor_resources, connect, import_ray, quiet_ray_logs
+from pagedrun.cli.app.ray.merge import ReplicaRecord, merged_report
+from pagedrun.cli.app.ray.replica import EngineReplica, error_output
+from pagedrun.cli.app.ray.replica_table import print_replicas
 from pagedrun.errors import PagedrunError
-from pagedrun.run_output import job_exit_code, open_output, print_summary
+from pagedrun.cli.app.job import job_exit_code, open_output, print_summary
 
 # Retries of a batch whose replica died: enough for a node or two going away, few enough that a
 # request that kills its process every time costs minutes, not forever.

@@ -1,5 +1,5 @@
 """The replica: one pagedrun engine per Ray actor, and what keeps a failing request from taking its
-batch down with it (see pagedrun/distributed/__init__.py for the failure model)."""
+batch down with it (see pagedrun/cli/ray/__init__.py for the failure model)."""
 from __future__ import annotations
 
 import json

@@ -131,7 +131,7 @@ def generate(
     debug: bool = DebugOpt,
 ) -> None:
     """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
-    from pagedrun.generate import run_generate
+    from pagedrun.cli.app.generate import run_generate
 
     code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
                        overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
@@ -149,7 +149,7 @@ def profile_memory(
     debug: bool = DebugOpt,
 ) -> None:
     """Show how the memory budget becomes the number of KV blocks, and where every byte goes."""
-    from pagedrun.profile_memory import run_profile_memory
+    from pagedrun.cli.app.profile_memory import run_profile_memory
 
     run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=set_ or [], prompts=prompts,
                 json_path=json_path, console=console)

@@ -17,8 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import load_recipe
-# Shared with the Ray driver (distributed/), so below both; the exit codes (EXIT_*) are defined there.
-from pagedrun.run_output import job_exit_code, open_stream_output, print_summary
+# Shared with the Ray driver (cli/ray/), so below both; the exit codes (EXIT_*) are defined there.
+from pagedrun.cli.app.job import job_exit_code, open_stream_output, print_summary
 
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
@@ -38,8 +38,8 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
     writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
                           inputs=(prompts, recipe_path), report=recipe.output.report)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
-        # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/distributed/).
-        from pagedrun.distributed import run_distributed
+        # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
+        from pagedrun.cli.app.ray import run_distributed
 
         stop.install()
         try:
@@ -77,7 +77,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
 
 def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):
     """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
-    from pagedrun.distributed.driver import request_checker
+    from pagedrun.cli.app.ray.driver import request_checker
     from pagedrun.io.openai_batch import BatchJob
     from pagedrun.io.stream import RequestStream
 
@@ -101,7 +101,7 @@ def model_name(recipe) -> str:
 def _run_and_write(llm, stream, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
                    quiet: bool, console: Console, stop) -> int:
     from pagedrun.metrics import RunTally
-    from pagedrun.run_output import OutputRecords
+    from pagedrun.cli.app.job import OutputRecords
 
     engine = llm.engine
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, llm.tokenizer)
