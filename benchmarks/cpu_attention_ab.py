@@ -25,7 +25,7 @@ ap.add_argument("--dtype", default="float32")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
 from pagedrun.bench.run.run import resolve_bench_model
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.config.recipe import load_recipe
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.bench.run.workloads import make_workload

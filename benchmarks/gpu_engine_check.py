@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy
     from tiny_models import make_tiny_model
 
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
 
     tmp = Path(tempfile.mkdtemp())

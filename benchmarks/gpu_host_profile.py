@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.sampling_params import SamplingParams
     from pagedrun.bench.run.workloads import make_workload

@@ -27,7 +27,7 @@ def prompts() -> list[dict]:
 
 
 def run(kv_dtype: str, dtype: str, max_tokens: int):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ def main() -> None:
 
     from pagedrun.attention import torch_backend
     from pagedrun.bench.run.run import resolve_bench_model
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
     from pagedrun.bench.run.workloads import make_workload

@@ -51,7 +51,7 @@ def main() -> None:
     from pagedrun.bench.run import fma_peak
     from pagedrun.bench.run.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
     from pagedrun.bench.run.roof import matmul_flops_per_s
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams

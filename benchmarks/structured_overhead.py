@@ -72,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import pagedrun.sample.sampler as sampler_mod
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.structured.grammar import StructuredOutputManager as Manager
 
     # The grammar's whole cost on the engine's side: masks (fill + apply) in the sampler, and the

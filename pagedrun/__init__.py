@@ -9,7 +9,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # Lazy, so `pagedrun --help` and error paths do not pay for importing torch.
     if name == "LLM":
-        from pagedrun.engine.llm import LLM
+        from pagedrun.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -31,7 +31,7 @@ def run(model, tmp_path, monkeypatch):
     found after loading), and the console is narrow so that any wrapping would show."""
     import torch
 
-    from pagedrun.engine import llm as llm_module
+    from pagedrun import llm as llm_module
 
     real = llm_module.LLM
     cache = run.__dict__.setdefault("cache", {})

@@ -308,7 +308,7 @@ def test_machine_flags(monkeypatch):
 def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):
     """Whole engine, tiny llama (GQA), chunked prefill + prefix caching + decode in mixed steps:
     the kernel path is the one taken and its greedy tokens equal the pure-torch path's."""
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from tiny_models import make_tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.config.recipe import load_recipe
 
 MAX_TOKENS = 16

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.config.recipe import load_recipe
 from pagedrun.sampling_params import SamplingParams
 from tiny_models import make_tiny_model

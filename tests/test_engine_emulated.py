@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.config.recipe import load_recipe
 from tiny_models import make_tiny_model
 

@@ -506,7 +506,7 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     line; finished outputs are already written)."""
     from tiny_models import make_tiny_model
 
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.errors import PagedrunError
 
     p = plan(readings(), u=0.9)

@@ -274,7 +274,7 @@ def test_absurd_config_sizes_are_refused_before_allocating(model, tmp_path, monk
 # ---------------------------------------------------------------- n above max_num_seqs
 
 def test_n_above_max_num_seqs_runs_and_matches_a_large_max_num_seqs(model):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
 
     prompts = [list(range(5, 24)), [30, 31, 32]]
     seeded = SamplingParams(n=150, max_tokens=6, temperature=1.0, seed=123, ignore_eos=True)

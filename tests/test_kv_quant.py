@@ -172,7 +172,7 @@ def _prompts(n=10, seed=0):
 
 
 def _run(model_dir, *sets, prompts=None):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.worker.model_runner import ModelInput
 from pagedrun.models import layer_runner, ops
 from tiny_models import FAMILIES, make_tiny_model

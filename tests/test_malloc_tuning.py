@@ -99,7 +99,7 @@ def test_settings_applied_and_freed_activations_stay_in_the_heap():
 
 
 def test_the_cpu_engine_applies_them(tmp_path):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.worker.malloc_tuning import tune_glibc_malloc
     from tiny_models import make_tiny_model
 

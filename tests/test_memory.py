@@ -284,7 +284,7 @@ TOLERANCE = 48 * MiB
 
 _FILL_RUN = """
 import json, random, sys
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.worker.profiler import PeakRSS, rss_bytes
 from pagedrun.sampling_params import SamplingParams
 

@@ -256,7 +256,7 @@ def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_p
 
 
 def test_without_skip_invalid_a_bad_line_stops_before_the_model_loads(model, tmp_path, monkeypatch):
-    from pagedrun.engine import llm
+    from pagedrun import llm
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model loaded")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.errors import PagedrunError
 from pagedrun.sample.penalties import apply_penalties
 from pagedrun.config.recipe import load_recipe

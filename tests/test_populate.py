@@ -66,7 +66,7 @@ def test_high_water_mark_covers_every_block_ever_used():
 
 
 def test_engine_populates_ahead_of_the_blocks_it_writes(tmp_path):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from tiny_models import make_tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedrun.attention.registry import make_backend
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.worker import profiler
 from pagedrun.models.loader import load_model
 from pagedrun.config.recipe import load_recipe

@@ -32,7 +32,7 @@ def job(tmp_path_factory):
     """A tiny model, a prompts file and the token ids of a local greedy run (in-process)."""
     import torch
 
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("ray")
@@ -229,7 +229,7 @@ def test_replica_isolates_a_failing_request(job):
 
     import torch
 
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
 
     llm = LLM(job["recipe"])
     requests, _ = llm.read_requests(job["prompts"])
@@ -259,7 +259,7 @@ def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error
     import torch
 
     from pagedrun.cli.app.ray.replica import EngineReplica
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.errors import PagedrunError
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir, *extra):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
 
     return LLM(None, [f"model.path={model_dir}", "model.device=cpu", "model.max_model_len=64",
                       "cache.block_size=8", "cache.num_blocks=64", *extra])

@@ -18,7 +18,7 @@ WINDOW = 3
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
 
     model = make_tiny_model("llama", tmp_path_factory.mktemp("stream") / "model")

@@ -38,7 +38,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, one_thread):
     """A tiny model, a prompts file and the token ids of an uninterrupted greedy run (in-process)."""
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("resume")

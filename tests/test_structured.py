@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import load_recipe
 from pagedrun.sample.sampler import Sampler, SamplingRow

@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pagedrun.engine.llm import LLM
+from pagedrun.llm import LLM
 from pagedrun.structured.grammar import StructuredOutputManager
 
 LLMatcher = pytest.importorskip("llguidance", reason='the optional extra: pip install -e ".[structured]"').LLMatcher

@@ -78,7 +78,7 @@ def _sync(device: str) -> None:
 
 
 def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.report import build_report
     from pagedrun.sampling_params import SamplingParams

@@ -57,7 +57,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
         console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
                       f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                       style="yellow", highlight=False, soft_wrap=True, markup=False)
-    from pagedrun.engine.llm import LLM  # imports torch: seconds, so after the cheap checks
+    from pagedrun.llm import LLM  # imports torch: seconds, so after the cheap checks
 
     t_load = time.perf_counter()
     with console.status("loading model…", spinner="dots"):

@@ -19,7 +19,7 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
     """Open the output of a run or a resumed one (also the Ray driver's): error records keyed by line,
     requests by id; what the output already holds is not run again.
     Returns (requests to run, every key in input order)."""
-    from pagedrun.engine.llm import invalid_record
+    from pagedrun.llm import invalid_record
     from pagedrun.io.writer import invalid_key, request_key
 
     writer.open()
@@ -63,7 +63,7 @@ class OutputRecords:
         self.job, self.tokenizer = job, tokenizer
 
     def invalid(self, bad) -> dict:
-        from pagedrun.engine.llm import invalid_record
+        from pagedrun.llm import invalid_record
 
         if self.job is None:
             rec = invalid_record(bad)
@@ -73,7 +73,7 @@ class OutputRecords:
         return error_line(bad.id, bad.custom_id, bad.code, bad.error)
 
     def finished(self, o, batch) -> dict:
-        from pagedrun.engine.llm import output_record
+        from pagedrun.llm import output_record
 
         if self.job is None or batch is None:
             return output_record(o)

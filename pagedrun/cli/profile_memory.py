@@ -27,7 +27,7 @@ SCHEMA = "pagedrun.profile-memory/1"
 
 def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompts: Path | None,
                        json_path: Path | None, console: Console) -> int:
-    from pagedrun.engine.llm import LLM
+    from pagedrun.llm import LLM
 
     recipe = load_recipe(recipe_path, overrides)
     if prompts is not None and not Path(prompts).is_file():

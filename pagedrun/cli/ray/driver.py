@@ -87,7 +87,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from pagedrun.engine.llm import output_record
+    from pagedrun.llm import output_record
     from pagedrun.io.writer import request_key
 
     if not quiet:

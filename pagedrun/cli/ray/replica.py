@@ -36,7 +36,7 @@ class EngineReplica:
         self.load_s = time.perf_counter() - t0
 
     def _new_engine(self) -> None:
-        from pagedrun.engine.llm import LLM
+        from pagedrun.llm import LLM
 
         if self.llm is not None:  # keep what the old engine measured
             self.pending_steps += self.llm.engine.steps[self._sent:]
