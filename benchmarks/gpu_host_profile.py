@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.sampling_params import SamplingParams
-    from pagedrun.bench.run.workloads import make_workload
+    from pagedrun.bench.workloads import make_workload
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(None, [f"model.path={a.model}", f"model.dtype={a.dtype}", f"model.device={device}"])

@@ -26,11 +26,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pagedrun.attention import torch_backend
-    from pagedrun.bench.run.run import resolve_bench_model
+    from pagedrun.bench.run import resolve_bench_model
     from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
     from pagedrun.sampling_params import SamplingParams
-    from pagedrun.bench.run.workloads import make_workload
+    from pagedrun.bench.workloads import make_workload
 
     model_dir = resolve_bench_model(args.model)
     recipe = load_recipe(None, [f"model.path={model_dir}", f"model.dtype={args.dtype}",

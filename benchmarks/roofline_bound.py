@@ -48,9 +48,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pagedrun.bench.run import fma_peak
-    from pagedrun.bench.run.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
-    from pagedrun.bench.run.roof import matmul_flops_per_s
+    from pagedrun.bench import fma_peak
+    from pagedrun.bench.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
+    from pagedrun.bench.roof import matmul_flops_per_s
     from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
     from pagedrun.config.recipe import load_recipe

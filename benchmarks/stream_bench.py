@@ -34,7 +34,7 @@ def bench_model(root: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from pagedrun.bench.run.workloads import TINY_LLAMA, tiny_llama_dir
+    from pagedrun.bench.workloads import TINY_LLAMA, tiny_llama_dir
 
     target = root / "model"
     if (target / "tokenizer.json").is_file():

@@ -1,3 +1,3 @@
-from pagedrun.cli.app.app import main
+from pagedrun.cli.app import main
 
 main()

@@ -18,7 +18,7 @@ from typing import Any
 from pagedrun.engine.engine import LLMEngine, RequestOutput
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
-from pagedrun.metrics import RunTally, StepRecord
+from pagedrun.report.metrics import RunTally, StepRecord
 from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedrun.cli.app.ray.replica import EngineReplica
+from pagedrun.cli.ray.replica import EngineReplica
 
 # A file holding an integer N; the first CrashingReplica to start its (N+1)-th batch while the file
 # exists removes it and kills its own process mid-batch (os._exit), as an OOM kill would. An

@@ -26,7 +26,7 @@ def prompts(tmp_path):
 
 
 def bench(model_dir, prompts, tmp_path, engines=("pagedrun", "hf-static", "hf-continuous")):
-    from pagedrun.bench.run.run import run_bench
+    from pagedrun.bench.run import run_bench
 
     out = tmp_path / "bench.json"
     console = Console(file=io.StringIO(), width=200)
@@ -101,7 +101,7 @@ def test_bench_mismatch_is_reported_and_fails(model_dir, prompts, tmp_path, monk
 
 
 def test_workloads_are_deterministic_and_shaped_as_specified():
-    from pagedrun.bench.run.workloads import make_workload
+    from pagedrun.bench.workloads import make_workload
 
     std = make_workload("standard", 4000, quick=False)
     assert len(std) == 64 and std == make_workload("standard", 4000, quick=False)

@@ -8,16 +8,16 @@ import shutil
 import pytest
 
 from pagedrun.build import cpu as cpu_build
-from pagedrun.bench.run.run import count_params, finish_row, kv_bytes_per_token
+from pagedrun.bench.run import count_params, finish_row, kv_bytes_per_token
 from pagedrun.errors import PagedrunError
-from pagedrun.bench.run.workloads import BenchRequest
+from pagedrun.bench.workloads import BenchRequest
 
 from tiny_models import make_tiny_model
 
 
 @pytest.mark.skipif(shutil.which(cpu_build.compiler()) is None, reason="no C++ compiler")
 def test_fma_peak_counts_the_isa_it_was_built_for():
-    from pagedrun.bench.run import fma_peak
+    from pagedrun.bench import fma_peak
 
     fp32 = fma_peak.measure("float32", 1, seconds=0.05)
     bf16 = fma_peak.measure("bfloat16", 1, seconds=0.05)
@@ -42,7 +42,7 @@ def test_bf16_roof_without_amx_is_the_faster_of_its_two_arithmetics(monkeypatch,
     """With avx512_bf16 and no AMX the bf16 GEMM takes vdpbf16ps or FMAs on widened bf16, whichever
     is faster on the machine (kernels/cpu/bf16_gemm.h), so the roof is the higher of the two: on a
     Sapphire Rapids-class core vdpbf16ps's alone was half the FMAs' (an engine could pass 100%)."""
-    from pagedrun.bench.run import fma_peak
+    from pagedrun.bench import fma_peak
 
     class Lib:  # a build with vdpbf16ps and no tiles, whatever this machine has
         fma_peak_run = staticmethod(lambda *a: 0.0)
@@ -116,7 +116,7 @@ def test_kv_bytes_per_token_from_config():
 
 
 def test_vllm_engine_without_its_interpreter_is_one_line(tmp_path):
-    from pagedrun.bench.run.vllm import check_python
+    from pagedrun.bench.vllm import check_python
 
     with pytest.raises(PagedrunError, match="needs --vllm-python.*vllm_cpu_venv.sh"):
         check_python(None)
@@ -133,7 +133,7 @@ def test_vllm_engine_without_its_interpreter_is_one_line(tmp_path):
 
 
 def test_tiny_model_in_an_unwritable_cache_is_one_line(tmp_path):
-    from pagedrun.bench.run.workloads import tiny_llama_dir
+    from pagedrun.bench.workloads import tiny_llama_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

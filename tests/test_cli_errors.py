@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedrun.cli.app import app as cli
+from pagedrun.cli import app as cli
 from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

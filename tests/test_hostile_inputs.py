@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedrun.cli.app import app as cli
+from pagedrun.cli import app as cli
 from pagedrun.echo import ECHO_CHARS
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import read_requests

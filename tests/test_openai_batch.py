@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict
 from typer.testing import CliRunner
 
-from pagedrun.cli.app.app import app
+from pagedrun.cli.app import app
 from pagedrun.errors import PagedrunError
 from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.requests import read_requests

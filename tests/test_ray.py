@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedrun.cli.app.app import app
+from pagedrun.cli.app import app
 from ray_faults import CRASH_FILE_ENV, CrashingReplica, PoisonedReplica
 from tiny_models import make_tiny_model, write_token_prompts
 
@@ -144,7 +144,7 @@ def test_ray_run_equals_local_run(job, ray_run):
     # The replica tables a run without -q prints, from this report, at 80 columns (tests/test_tables.py).
     from rich.console import Console
 
-    from pagedrun.cli.app.ray.replica_table import print_replicas
+    from pagedrun.cli.ray.replica_table import print_replicas
 
     console = Console(file=io.StringIO(), width=80, color_system=None)
     print_replicas(console, report)
@@ -258,7 +258,7 @@ def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error
 
     import torch
 
-    from pagedrun.cli.app.ray.replica import EngineReplica
+    from pagedrun.cli.ray.replica import EngineReplica
     from pagedrun.llm import LLM
     from pagedrun.errors import PagedrunError
     from pagedrun.config.recipe import load_recipe

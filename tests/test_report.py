@@ -28,7 +28,7 @@ def make_llm(model_dir, *extra):
 
 
 def run(llm, prompts, max_tokens):
-    from pagedrun.report import build_report
+    from pagedrun.report.report import build_report
     from pagedrun.sampling_params import SamplingParams
 
     results = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -102,7 +102,7 @@ def test_prefix_sharing_counts_shared_blocks_once(model_dir):
 
 
 def test_preemptions_are_counted_and_outputs_unchanged(model_dir, tmp_path):
-    from pagedrun.report import plot_blocks
+    from pagedrun.report.report import plot_blocks
 
     prompts = distinct_prompts([8, 8])
     ref, _ = run(make_llm(model_dir), prompts, max_tokens=12)
@@ -119,7 +119,7 @@ def test_preemptions_are_counted_and_outputs_unchanged(model_dir, tmp_path):
 
 
 def test_every_number_has_provenance(model_dir):
-    from pagedrun.report import _leaves
+    from pagedrun.report.report import _leaves
 
     _, r = run(make_llm(model_dir), distinct_prompts([5, 9]), max_tokens=3)
     leaves = [p for p in _leaves(r) if not p.startswith("provenance.")]
@@ -129,7 +129,7 @@ def test_every_number_has_provenance(model_dir):
 
 
 def test_percentiles_interpolate_like_numpy():
-    from pagedrun.report import percentiles
+    from pagedrun.report.report import percentiles
 
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
     p = percentiles([4.0, 1.0, 3.0, 2.0])
@@ -139,7 +139,7 @@ def test_percentiles_interpolate_like_numpy():
 def test_generate_cli_writes_report_and_plot(model_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from pagedrun.cli.app.app import app
+    from pagedrun.cli.app import app
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p, "max_tokens": 3, "ignore_eos": True}) + "\n"

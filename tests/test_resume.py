@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedrun.cli.app.app import app
+from pagedrun.cli.app import app
 from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,7 +225,7 @@ def test_skip_invalid_keeps_duplicate_id_error_records_apart(job, tmp_path):
 
 
 def test_stop_flag_first_signal_stops_second_exits_at_once(capfd):
-    from pagedrun.cli.app import app as cli
+    from pagedrun.cli import app as cli
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     exits = []

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedrun.build import cache as build_cache, cpu as cpu_build
-from pagedrun.cli.app import app as cli
+from pagedrun.cli import app as cli
 from pagedrun.errors import PagedrunError
 from pagedrun.io.writer import OutputWriter, meta_path
 from tiny_models import make_tiny_model

@@ -16,10 +16,10 @@ from rich.markdown import Markdown
 from rich.table import Table
 
 from pagedrun.attention import scratch as S
-from pagedrun.bench.run.tables import bench_tables
+from pagedrun.bench.tables import bench_tables
 from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
 from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
-from pagedrun.cli.app.profile_memory import plan_json, plan_table
+from pagedrun.cli.profile_memory import plan_json, plan_table
 from pagedrun.config.recipe import CacheConfig, load_recipe
 from pagedrun.tables import WIDTH, results_console
 
@@ -157,7 +157,7 @@ def test_kv_dtype_table_fits_80_columns_and_scales_with_bytes():
     import torch
 
     from pagedrun.worker.memory import fmt_bytes
-    from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
+    from pagedrun.report.kv_dtype_table import kv_dtype_rows, kv_dtype_table
 
     plan = _cpu_plan()  # 30 layers x 3 kv heads x 64, bf16: 23,040 B per token
     cfg = types.SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
@@ -199,7 +199,7 @@ def _replica_report(num_requests, prompt, output, wall_s, peak, blocks, preempte
 
 def test_replica_table_fits_80_columns():
     """A job of ~1M prompt tokens over 8 GPUs: two stacked tables, the work then the cache."""
-    from pagedrun.cli.app.ray.replica_table import print_replicas, replica_tables
+    from pagedrun.cli.ray.replica_table import print_replicas, replica_tables
 
     one = _replica_report(12_345, 1_234_567, 123_456, 1234.56, 12_345, 16_384, 123)
     total = _replica_report(98_760, 9_876_536, 987_648, 1234.56, 98_760, 131_072, 984)
@@ -218,7 +218,7 @@ def test_replica_table_fits_80_columns():
 
 def test_replica_table_fits_the_widest_job_and_folds_a_long_host_name():
     """10^7 requests and 10^10 prompt tokens per replica, 10^6 s, and a node shown by its host name."""
-    from pagedrun.cli.app.ray.replica_table import replica_tables
+    from pagedrun.cli.ray.replica_table import replica_tables
 
     one = _replica_report(9_999_999, 9_999_999_999, 999_999_999, 999_999.0, 9_999_999, 9_999_999, 9_999_999)
     one["prefix_cache"]["hit_rate"] = None  # no prompt tokens looked up: "-"
@@ -268,7 +268,7 @@ def _summary_report() -> dict:
 def test_generate_summary_fits_80_columns_and_folds_a_long_path():
     from types import SimpleNamespace as NS
 
-    from pagedrun.cli.app.job import print_summary
+    from pagedrun.cli.job import print_summary
 
     results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7, metrics={})] * 3
     path = Path("/data/" + "x" * 120 + "/outputs.jsonl")

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.bench.run.workloads import BenchRequest
+from pagedrun.bench.workloads import BenchRequest
 
 
 def run_isolated(spec: dict) -> dict:
     """Run `spec` in a fresh interpreter: its peak RSS then belongs to this engine alone."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]),
                PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     with tempfile.TemporaryDirectory(prefix="pagedrun-bench-") as tmp:
@@ -80,7 +80,7 @@ def _sync(device: str) -> None:
 def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
     from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
-    from pagedrun.report import build_report
+    from pagedrun.report.report import build_report
     from pagedrun.sampling_params import SamplingParams
 
     t = time.perf_counter()

@@ -18,7 +18,7 @@ class Roof:
     def measure_again(self) -> None:
         if self.kind == "fma_peak":
             try:
-                from pagedrun.bench.run import fma_peak
+                from pagedrun.bench import fma_peak
 
                 m = fma_peak.measure(self.dtype, self.threads, 0.3 if self.quick else 1.0)
                 self.isa = m["isa"]

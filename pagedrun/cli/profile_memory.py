@@ -18,7 +18,7 @@ from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
 from pagedrun.errors import PagedrunError
 from pagedrun.worker.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.worker.profiler import rss_bytes
-from pagedrun.kv_dtype_table import kv_dtype_rows, kv_dtype_table
+from pagedrun.report.kv_dtype_table import kv_dtype_rows, kv_dtype_table
 from pagedrun.config.recipe import load_recipe
 from pagedrun.tables import results_console
 

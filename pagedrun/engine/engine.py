@@ -29,7 +29,7 @@ from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
 from pagedrun.worker.populate import CachePopulator
 from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
 from pagedrun.worker.malloc_tuning import tune_glibc_malloc
-from pagedrun.metrics import StepRecord
+from pagedrun.report.metrics import StepRecord
 from pagedrun.config.recipe import Recipe
 from pagedrun.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """What the engine records about every step: the raw material of the memory report.
 
 Everything here is measured (counted by the engine or the KV manager, or timed); the report in
-report.py only derives numbers from these records.
+report/report.py only derives numbers from these records.
 """
 from __future__ import annotations
 

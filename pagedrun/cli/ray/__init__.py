@@ -30,6 +30,6 @@ Modules: driver.py (run_distributed: requests, the Ray Data passes, writing), cl
 Ray, sizing the actor pool), replica.py (EngineReplica, the actor), merge.py (the merged report),
 replica_table.py (the replicas' numbers on the terminal, within 80 columns).
 """
-from pagedrun.cli.app.ray.driver import run_distributed
+from pagedrun.cli.ray.driver import run_distributed
 
 __all__ = ["run_distributed"]

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedrun.cli.app.ray.cluster import actor_resources, connect, import_ray, quiet_ray_logs
-from pagedrun.cli.app.ray.merge import ReplicaRecord, merged_report
-from pagedrun.cli.app.ray.replica import EngineReplica, error_output
-from pagedrun.cli.app.ray.replica_table import print_replicas
+from pagedrun.cli.ray.cluster import actor_resources, connect, import_ray, quiet_ray_logs
+from pagedrun.cli.ray.merge import ReplicaRecord, merged_report
+from pagedrun.cli.ray.replica import EngineReplica, error_output
+from pagedrun.cli.ray.replica_table import print_replicas
 from pagedrun.errors import PagedrunError
-from pagedrun.cli.app.job import job_exit_code, open_output, print_summary
+from pagedrun.cli.job import job_exit_code, open_output, print_summary
 
 # Retries of a batch whose replica died: enough for a node or two going away, few enough that a
 # request that kills its process every time costs minutes, not forever.
@@ -154,7 +154,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
 
     report = None
     if recipe.output.report:
-        from pagedrun.report import write_report
+        from pagedrun.report.report import write_report
 
         report = merged_report(list(replica_records.values()), results, wall_s=wall, driver_s=driver_s,
                                interrupted=interrupted)

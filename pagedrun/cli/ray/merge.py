@@ -63,7 +63,7 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
     A replica's wall_s is the time it spent inside batches; the total's is the driver's, from the
     first request sent to the last output received, so its tokens/s is the job's throughput.
     """
-    from pagedrun.report import build_report, percentiles
+    from pagedrun.report.report import build_report, percentiles
 
     replicas = []
     for rec in records:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedrun.errors import PagedrunError
 from pagedrun.io.file_safety import check_derived, is_report, replace_file, report_path
-from pagedrun.metrics import RunTally
+from pagedrun.report.metrics import RunTally
 
 M, D = "measured", "derived"
 
