@@ -25,10 +25,11 @@ ap.add_argument("--dtype", default="float32")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
 from pagedrun.bench.run import resolve_bench_model
-from pagedrun.llm import LLM
-from pagedrun.config.recipe import load_recipe
-from pagedrun.sampling_params import SamplingParams
 from pagedrun.bench.workloads import make_workload
+from pagedrun.config.recipe import load_recipe
+from pagedrun.llm import LLM
+from pagedrun.sampling_params import SamplingParams
+
 model_dir = resolve_bench_model("tiny-llama")
 clock = time.thread_time if args.threads == 1 else time.perf_counter
 

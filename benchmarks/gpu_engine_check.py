@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import cupy
     from tiny_models import make_tiny_model
 
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     tmp = Path(tempfile.mkdtemp())
     models = {

@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from pagedrun.llm import LLM
-    from pagedrun.io.requests import Request
-    from pagedrun.sampling_params import SamplingParams
     from pagedrun.bench.workloads import make_workload
+    from pagedrun.io.requests import Request
+    from pagedrun.llm import LLM
+    from pagedrun.sampling_params import SamplingParams
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(None, [f"model.path={a.model}", f"model.dtype={a.dtype}", f"model.device={device}"])

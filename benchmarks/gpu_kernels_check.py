@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import numpy as np  # noqa: E402
-
 import test_kernels as T  # noqa: E402
+
 from pagedrun.attention.cuda import kernels as K  # noqa: E402
 
 NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens_arr")
@@ -138,7 +138,6 @@ def quantized():
     reshape_and_cache bit-equal to the float32 reference quantizer (so to the emulator, which is too:
     this is where sm_89+'s hardware fp8 conversion meets the software one), copy_blocks with scales."""
     import cupy
-
     import test_kernels_quantized as Q
 
     worst = {}

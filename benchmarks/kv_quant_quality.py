@@ -27,8 +27,8 @@ def prompts() -> list[dict]:
 
 
 def run(kv_dtype: str, dtype: str, max_tokens: int):
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
     llm = LLM(load_recipe(None, [f"model.dtype={dtype}", f"cache.kv_cache_dtype={kv_dtype}"]))

@@ -27,10 +27,10 @@ def main() -> None:
 
     from pagedrun.attention import torch_backend
     from pagedrun.bench.run import resolve_bench_model
-    from pagedrun.llm import LLM
-    from pagedrun.config.recipe import load_recipe
-    from pagedrun.sampling_params import SamplingParams
     from pagedrun.bench.workloads import make_workload
+    from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
+    from pagedrun.sampling_params import SamplingParams
 
     model_dir = resolve_bench_model(args.model)
     recipe = load_recipe(None, [f"model.path={model_dir}", f"model.dtype={args.dtype}",

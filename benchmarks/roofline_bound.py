@@ -49,11 +49,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pagedrun.bench import fma_peak
-    from pagedrun.bench.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
     from pagedrun.bench.roof import matmul_flops_per_s
-    from pagedrun.llm import LLM
-    from pagedrun.io.requests import Request
+    from pagedrun.bench.run import count_params, kv_bytes_per_token, load_workload, resolve_bench_model, room_for_all
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.io.requests import Request
+    from pagedrun.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
     model_dir = resolve_bench_model(args.model)

@@ -102,8 +102,8 @@ def rewrite_only(workdir: Path, n: int, fmt: str, max_tokens: int) -> dict:
     import resource
 
     from pagedrun.io.openai_batch import BatchJob
-    from pagedrun.io.writer import OutputWriter, request_key
     from pagedrun.io.stream import RequestStream
+    from pagedrun.io.writer import OutputWriter, request_key
     from pagedrun.models.loader import load_tokenizer
     from pagedrun.sampling_params import SamplingParams
 

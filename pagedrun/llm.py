@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.engine.engine import LLMEngine, RequestOutput
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
 from pagedrun.report.metrics import RunTally, StepRecord
-from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.sampling_params import SamplingParams
 
 

@@ -11,8 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
-from pagedrun.echo import clip, echo
-from pagedrun.errors import PagedrunError
+from pagedrun.errors import PagedrunError, clip, echo
 from pagedrun.structured.params import SpecError, check_structured_outputs
 
 # vLLM treats temperatures this small as greedy: dividing logits by ~0 overflows to inf/nan.

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from rich.console import Console
-
 from tiny_models import make_tiny_model
 
 

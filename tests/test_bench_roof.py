@@ -6,13 +6,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from pagedrun.build import cpu as cpu_build
-from pagedrun.bench.run import count_params, finish_row, kv_bytes_per_token
-from pagedrun.errors import PagedrunError
-from pagedrun.bench.workloads import BenchRequest
-
 from tiny_models import make_tiny_model
+
+from pagedrun.bench.run import count_params, finish_row, kv_bytes_per_token
+from pagedrun.bench.workloads import BenchRequest
+from pagedrun.build import cpu as cpu_build
+from pagedrun.errors import PagedrunError
 
 
 @pytest.mark.skipif(shutil.which(cpu_build.compiler()) is None, reason="no C++ compiler")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from pagedrun.worker.cache_engine import CacheEngine
 from pagedrun.kv.manager import KVCacheManager
+from pagedrun.worker.cache_engine import CacheEngine
 
 L, H, D, BS = 3, 2, 4, 4
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 from typer.testing import CliRunner
 
 from pagedrun.cli import app as cli
-from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = '{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}'

@@ -12,14 +12,13 @@ import subprocess
 
 import pytest
 import torch
+from attention_reference import assert_matches_reference
+from cpu_libraries import load_or_skip
 
 from pagedrun.attention import cpu_kernels
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.build.cpu import machine_flags
-
-from attention_reference import assert_matches_reference
-from cpu_libraries import load_or_skip
 
 
 @pytest.fixture(scope="module")
@@ -308,9 +307,10 @@ def test_machine_flags(monkeypatch):
 def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):
     """Whole engine, tiny llama (GQA), chunked prefill + prefix caching + decode in mixed steps:
     the kernel path is the one taken and its greedy tokens equal the pure-torch path's."""
-    from pagedrun.llm import LLM
-    from pagedrun.config.recipe import load_recipe
     from tiny_models import make_tiny_model
+
+    from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     d = make_tiny_model("llama", tmp_path / "m", seed=3)
     rng = random.Random(0)
@@ -337,8 +337,8 @@ def test_vector_widths_agree(kern, head_dim, heads, kv_heads):
     build has AVX-512; the 8-wide build (PR_GEMM_VEC8, every machine) must give the same attention
     within rounding (the weighted sums are the same per-lane sums; the dots differ only in
     association), mixed prefill and decode alike. On an AVX2-only machine both builds are 8-wide."""
-    from pagedrun.build import cpu as cpu_build
     from pagedrun.attention.cpu_kernels import SOURCE, CpuAttentionKernels
+    from pagedrun.build import cpu as cpu_build
 
     narrow = CpuAttentionKernels(cpu_build.build(SOURCE, ("-DPR_GEMM_VEC8",)))
     case = Case([(0, 40), (50, 1), (20, 9), (7, 1), (90, 1)], 16, heads, kv_heads, head_dim, seed=head_dim)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrun.llm import LLM
 from pagedrun.config.recipe import load_recipe
+from pagedrun.llm import LLM
 
 MAX_TOKENS = 16
 

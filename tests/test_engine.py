@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-
-from pagedrun.llm import LLM
-from pagedrun.config.recipe import load_recipe
-from pagedrun.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
+
+from pagedrun.config.recipe import load_recipe
+from pagedrun.llm import LLM
+from pagedrun.sampling_params import SamplingParams
 
 MAX_TOKENS = 16
 NUM_PROMPTS = 18

@@ -7,10 +7,10 @@ import random
 import shutil
 
 import pytest
-
-from pagedrun.llm import LLM
-from pagedrun.config.recipe import load_recipe
 from tiny_models import make_tiny_model
+
+from pagedrun.config.recipe import load_recipe
+from pagedrun.llm import LLM
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA-on-CPU harness needs g++")
 

@@ -8,7 +8,6 @@ import pytest
 
 from pagedrun.attention.cuda import install as CI
 
-
 # ---------------------------------------------------------------- install: which CuPy fits
 
 
@@ -43,12 +42,12 @@ def test_cupy_backend_without_cupy_is_one_line_naming_an_extra(monkeypatch):
 # ---------------------------------------------------------------- 1. DLPack's size-1 strides
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 import test_kernels as T  # noqa: E402
+import torch  # noqa: E402
+from test_kernels import emu  # noqa: E402,F401  (the module-scoped emulator fixture)
+
 from pagedrun.attention.cuda import kernels as K  # noqa: E402
 from pagedrun.attention.cuda import paged_step  # noqa: E402
-from test_kernels import emu  # noqa: E402,F401  (the module-scoped emulator fixture)
 
 
 def dlpack_normalised(a: np.ndarray) -> np.ndarray:
@@ -412,12 +411,12 @@ def test_launch_each_version_launches_v1_then_v2_on_block_zero(emu):
 
 # ---------------------------------------------------------------- 2. memory: budget and allocation
 
-from pagedrun.worker import memory as M  # noqa: E402
 from pagedrun.attention.scratch import attention_scratch_bytes  # noqa: E402
-from pagedrun.worker.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
-from pagedrun.worker import torch_cap as TC  # noqa: E402
-from pagedrun.worker.profiler import CudaReadings, cuda_profile  # noqa: E402
 from pagedrun.config.recipe import CacheConfig  # noqa: E402
+from pagedrun.worker import memory as M  # noqa: E402
+from pagedrun.worker import torch_cap as TC  # noqa: E402
+from pagedrun.worker.cache_engine import KVAllocationError, allocate_cache  # noqa: E402
+from pagedrun.worker.profiler import CudaReadings, cuda_profile  # noqa: E402
 
 GiB = 1 << 30
 
@@ -506,8 +505,8 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     line; finished outputs are already written)."""
     from tiny_models import make_tiny_model
 
-    from pagedrun.llm import LLM
     from pagedrun.errors import PagedrunError
+    from pagedrun.llm import LLM
 
     p = plan(readings(), u=0.9)
     e = TC.step_out_of_memory(p, 2048, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_libraries import load_or_skip
 
 from pagedrun.sample import argmax as greedy
-
-from cpu_libraries import load_or_skip
 
 
 @pytest.fixture(scope="module")

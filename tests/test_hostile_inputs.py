@@ -12,15 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 from typer.testing import CliRunner
 
 from pagedrun.cli import app as cli
-from pagedrun.echo import ECHO_CHARS
-from pagedrun.errors import PagedrunError
-from pagedrun.io.requests import read_requests
 from pagedrun.config.recipe import load_recipe
+from pagedrun.errors import ECHO_CHARS, PagedrunError
+from pagedrun.io.requests import read_requests
 from pagedrun.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEP = 100_000

@@ -7,14 +7,13 @@ import random
 
 import pytest
 import torch
-
-from pagedrun.errors import PagedrunError
-from pagedrun.attention import kv_cache_spec as kv_quant
-from pagedrun.worker.cache_engine import CacheEngine
-from pagedrun.attention.torch_backend import TorchAttentionBackend
-
 from attention_reference import assert_matches_reference
 from test_cpu_attention import Case, kern  # noqa: F401  (the fixture)
+
+from pagedrun.attention import kv_cache_spec as kv_quant
+from pagedrun.attention.torch_backend import TorchAttentionBackend
+from pagedrun.errors import PagedrunError
+from pagedrun.worker.cache_engine import CacheEngine
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -172,8 +171,8 @@ def _prompts(n=10, seed=0):
 
 
 def _run(model_dir, *sets, prompts=None):
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
     llm = LLM(load_recipe(None, [f"model.path={model_dir}", "cache.block_size=8", *sets]))

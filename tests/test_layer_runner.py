@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import FAMILIES, make_tiny_model
 
 from pagedrun.llm import LLM
-from pagedrun.worker.model_runner import ModelInput
 from pagedrun.models import layer_runner, ops
-from tiny_models import FAMILIES, make_tiny_model
+from pagedrun.worker.model_runner import ModelInput
 
 pytestmark = pytest.mark.skipif(layer_runner.load() is None or ops.load() is None,
                                 reason="no C++ compiler for the CPU kernels")

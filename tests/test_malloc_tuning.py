@@ -99,9 +99,10 @@ def test_settings_applied_and_freed_activations_stay_in_the_heap():
 
 
 def test_the_cpu_engine_applies_them(tmp_path):
+    from tiny_models import make_tiny_model
+
     from pagedrun.llm import LLM
     from pagedrun.worker.malloc_tuning import tune_glibc_malloc
-    from tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("llama", tmp_path / "m")
     llm = LLM(None, [f"model.path={model_dir}", "model.device=cpu", "cache.num_blocks=16"])

@@ -18,14 +18,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import FAMILIES, make_tiny_model
 
 from pagedrun.attention import scratch as S
-from pagedrun.worker.memory import GiB, MiB, KVBudgetError, model_block_bytes, plan_memory, request_blocks, requests_fit
-from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
+from pagedrun.config.recipe import CacheConfig
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.loader import read_config
-from pagedrun.config.recipe import CacheConfig
-from tiny_models import FAMILIES, make_tiny_model
+from pagedrun.worker.memory import GiB, KVBudgetError, MiB, model_block_bytes, plan_memory, request_blocks, requests_fit
+from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile, profile_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

@@ -13,10 +13,9 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_libraries import load_or_skip
 
 from pagedrun.models import ops
-
-from cpu_libraries import load_or_skip
 
 
 @pytest.fixture(scope="module")

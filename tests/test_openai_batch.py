@@ -10,6 +10,7 @@ import pytest
 from openai.types import Completion  # the dev extra's: a real client's types, not our reading of the docs
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict
+from tiny_models import add_word_tokenizer, make_tiny_model
 from typer.testing import CliRunner
 
 from pagedrun.cli.app import app
@@ -17,7 +18,6 @@ from pagedrun.errors import PagedrunError
 from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.requests import read_requests
 from pagedrun.sampling_params import SamplingParams
-from tiny_models import add_word_tokenizer, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "capital", "of", "France", "is", "Paris", "be", "brief", "hello"]

@@ -6,14 +6,14 @@ import random
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
-from pagedrun.llm import LLM
-from pagedrun.errors import PagedrunError
-from pagedrun.sample.penalties import apply_penalties
 from pagedrun.config.recipe import load_recipe
+from pagedrun.errors import PagedrunError
+from pagedrun.llm import LLM
+from pagedrun.sample.penalties import apply_penalties
 from pagedrun.sample.sampler import Sampler, SamplingRow
 from pagedrun.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
 
 VOCAB = 300
 

@@ -66,9 +66,10 @@ def test_high_water_mark_covers_every_block_ever_used():
 
 
 def test_engine_populates_ahead_of_the_blocks_it_writes(tmp_path):
-    from pagedrun.llm import LLM
-    from pagedrun.config.recipe import load_recipe
     from tiny_models import make_tiny_model
+
+    from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     d = make_tiny_model("llama", tmp_path / "m")
     llm = LLM(load_recipe(None, [f"model.path={d}", "cache.num_blocks=256", "cache.block_size=8"]))

@@ -3,13 +3,13 @@ sampler on the worst step and on a decode step after it, and leaves the model as
 from __future__ import annotations
 
 import torch
+from tiny_models import make_tiny_model
 
 from pagedrun.attention.registry import make_backend
-from pagedrun.llm import LLM
-from pagedrun.worker import profiler
-from pagedrun.models.loader import load_model
 from pagedrun.config.recipe import load_recipe
-from tiny_models import make_tiny_model
+from pagedrun.llm import LLM
+from pagedrun.models.loader import load_model
+from pagedrun.worker import profiler
 
 
 def test_profile_pass_runs_the_first_layers_and_restores_the_model(tmp_path):

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray_faults import CRASH_FILE_ENV, CrashingReplica, PoisonedReplica
+from tiny_models import make_tiny_model, write_token_prompts
 from typer.testing import CliRunner
 
 from pagedrun.cli.app import app
-from ray_faults import CRASH_FILE_ENV, CrashingReplica, PoisonedReplica
-from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 16
@@ -32,8 +32,8 @@ def job(tmp_path_factory):
     """A tiny model, a prompts file and the token ids of a local greedy run (in-process)."""
     import torch
 
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     root = tmp_path_factory.mktemp("ray")
     model = make_tiny_model("llama", root / "model")
@@ -259,9 +259,9 @@ def test_replica_that_cannot_build_its_engine_stops_the_job_with_the_local_error
     import torch
 
     from pagedrun.cli.ray.replica import EngineReplica
-    from pagedrun.llm import LLM
-    from pagedrun.errors import PagedrunError
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.errors import PagedrunError
+    from pagedrun.llm import LLM
     from pagedrun.sampling_params import SamplingParams
 
     model = make_tiny_model("llama", tmp_path / "model", num_hidden_layers=12, max_position_embeddings=4096)

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import CacheConfig, Recipe, load_recipe, parse_size
+from pagedrun.errors import PagedrunError
 from pagedrun.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

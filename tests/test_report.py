@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tiny_models import make_tiny_model
 
 

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model, write_token_prompts
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.writer import invalid_key, request_key
 from pagedrun.io.stream import RequestStream
-from tiny_models import make_tiny_model, write_token_prompts
+from pagedrun.io.writer import invalid_key, request_key
 
 MAX_NUM_SEQS = 2
 WINDOW = 3
@@ -18,8 +18,8 @@ WINDOW = 3
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     model = make_tiny_model("llama", tmp_path_factory.mktemp("stream") / "model")
     return LLM(load_recipe(None, [f"model.path={model}", "cache.num_blocks=64", "model.max_model_len=64",

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model, write_token_prompts
 from typer.testing import CliRunner
 
 from pagedrun.cli.app import app
-from tiny_models import make_tiny_model, write_token_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_REQUESTS = 32
@@ -38,8 +38,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, one_thread):
     """A tiny model, a prompts file and the token ids of an uninterrupted greedy run (in-process)."""
-    from pagedrun.llm import LLM
     from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
 
     root = tmp_path_factory.mktemp("resume")
     model = make_tiny_model("llama", root / "model")

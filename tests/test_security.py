@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 from typer.testing import CliRunner
 
-from pagedrun.build import cache as build_cache, cpu as cpu_build
+from pagedrun.build import cache as build_cache
+from pagedrun.build import cpu as cpu_build
 from pagedrun.cli import app as cli
 from pagedrun.errors import PagedrunError
 from pagedrun.io.writer import OutputWriter, meta_path
-from tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = {"recipe": "r", "prompts": "p"}

@@ -10,15 +10,15 @@ import re
 import jsonschema
 import pytest
 import torch
+from tiny_models import make_tiny_model
+from tiny_tokenizer import write_tiny_tokenizer
 
-from pagedrun.llm import LLM
-from pagedrun.errors import PagedrunError
 from pagedrun.config.recipe import load_recipe
+from pagedrun.errors import PagedrunError
+from pagedrun.llm import LLM
 from pagedrun.sample.sampler import Sampler, SamplingRow
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured import grammar as grammar_mod
-from tiny_models import make_tiny_model
-from tiny_tokenizer import write_tiny_tokenizer
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},

@@ -17,11 +17,11 @@ from rich.table import Table
 
 from pagedrun.attention import scratch as S
 from pagedrun.bench.tables import bench_tables
-from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
-from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
 from pagedrun.cli.profile_memory import plan_json, plan_table
 from pagedrun.config.recipe import CacheConfig, load_recipe
-from pagedrun.tables import WIDTH, results_console
+from pagedrun.console import WIDTH, results_console
+from pagedrun.worker.memory import GiB, MiB, plan_memory, requests_fit
+from pagedrun.worker.profiler import CpuReadings, CudaReadings, cpu_profile, cuda_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,8 +156,8 @@ def test_kv_dtype_table_fits_80_columns_and_scales_with_bytes():
 
     import torch
 
-    from pagedrun.worker.memory import fmt_bytes
     from pagedrun.report.kv_dtype_table import kv_dtype_rows, kv_dtype_table
+    from pagedrun.worker.memory import fmt_bytes
 
     plan = _cpu_plan()  # 30 layers x 3 kv heads x 64, bf16: 23,040 B per token
     cfg = types.SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)

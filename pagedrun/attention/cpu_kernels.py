@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from pagedrun.build import cpu as cpu_build
 from pagedrun.attention import kv_cache_spec as kv_quant
+from pagedrun.build import cpu as cpu_build
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

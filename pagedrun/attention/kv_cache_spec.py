@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedrun.errors import PagedrunError
 from pagedrun.config.checks import KV_CACHE_DTYPES  # noqa: F401  (re-exported: the names in one place)
+from pagedrun.errors import PagedrunError
 
 FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedrun.attention import cpu_kernels
-from pagedrun.attention.cpu_kernels import int_arg
 from pagedrun.attention import kv_cache_spec as kv_quant
+from pagedrun.attention.cpu_kernels import int_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
 from pagedrun.attention.sdpa_prefill import attend_prefills, prefill_seqs

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedrun.errors import PagedrunError
 from pagedrun.bench.workloads import BenchRequest
+from pagedrun.errors import PagedrunError
 
 
 def run_isolated(spec: dict) -> dict:
@@ -78,8 +78,8 @@ def _sync(device: str) -> None:
 
 
 def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
-    from pagedrun.llm import LLM
     from pagedrun.io.requests import Request
+    from pagedrun.llm import LLM
     from pagedrun.report.report import build_report
     from pagedrun.sampling_params import SamplingParams
 

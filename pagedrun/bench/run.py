@@ -25,8 +25,8 @@ from rich.console import Console
 
 from pagedrun.bench.engines import run_engine, run_isolated
 from pagedrun.bench.roof import Roof
-from pagedrun.errors import PagedrunError
 from pagedrun.bench.workloads import BenchRequest
+from pagedrun.errors import PagedrunError
 
 ENGINES = ("pagedrun", "hf-static", "hf-continuous", "vllm")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -147,7 +147,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
         (r.get("malloc_tuning") for r in rows if r["engine"] == "pagedrun"), None)
     result["matmul_flops_per_s_samples"] = roof.samples
     from pagedrun.bench.tables import bench_tables
-    from pagedrun.tables import results_console
+    from pagedrun.console import results_console
 
     out = results_console(console)  # the results: on stdout from the CLI, progress stays on stderr
     out.print(bench_tables(result))

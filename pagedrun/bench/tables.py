@@ -1,4 +1,4 @@
-"""`pagedrun bench`'s comparison as terminal tables that fit 80 columns (pagedrun/tables.py): two
+"""`pagedrun bench`'s comparison as terminal tables that fit 80 columns (pagedrun/console.py): two
 stacked tables, throughput then start-up and memory, each row one engine run. Every number is also in the
 --json file, unrounded (benchmarks/bench_table.py turns that into Markdown)."""
 from __future__ import annotations

@@ -33,7 +33,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def run_guarded(debug: bool, fn, *args, **kwargs):
-    from pagedrun.terminal import reader_may_leave
+    from pagedrun.console import reader_may_leave
 
     with reader_may_leave():  # `pagedrun generate ... | head -2` must not end the job
         return _run_guarded(debug, fn, *args, **kwargs)

@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from pagedrun.errors import PagedrunError
-from pagedrun.config.recipe import load_recipe
 # Shared with the Ray driver (cli/ray/), so below both; the exit codes (EXIT_*) are defined there.
 from pagedrun.cli.job import job_exit_code, open_stream_output, print_summary
+from pagedrun.config.recipe import load_recipe
+from pagedrun.errors import PagedrunError
 
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
@@ -100,8 +100,8 @@ def model_name(recipe) -> str:
 
 def _run_and_write(llm, stream, writer, *, recipe, load_s: float, output: Path, plot: Path | None,
                    quiet: bool, console: Console, stop) -> int:
-    from pagedrun.report.metrics import RunTally
     from pagedrun.cli.job import OutputRecords
+    from pagedrun.report.metrics import RunTally
 
     engine = llm.engine
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, llm.tokenizer)

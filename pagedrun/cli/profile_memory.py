@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedrun.attention.scratch import DECODE_GATHER_TOKENS
+from pagedrun.config.recipe import load_recipe
+from pagedrun.console import results_console
 from pagedrun.errors import PagedrunError
+from pagedrun.report.kv_dtype_table import kv_dtype_rows, kv_dtype_table
 from pagedrun.worker.memory import KVBudgetError, MemoryPlan, fmt_bytes, request_blocks, requests_fit
 from pagedrun.worker.profiler import rss_bytes
-from pagedrun.report.kv_dtype_table import kv_dtype_rows, kv_dtype_table
-from pagedrun.config.recipe import load_recipe
-from pagedrun.tables import results_console
 
 SCHEMA = "pagedrun.profile-memory/1"
 

@@ -13,13 +13,17 @@ from typing import Any, Callable, Iterable
 
 from pagedrun.sampling_params import (
     FIELD_NAMES as SAMPLING_FIELDS,
+)
+from pagedrun.sampling_params import (
     InvalidValue,
     bool_check,
-    check_field as check_sampling_field,
     float_check,
     int_check,
     is_int,
     optional,
+)
+from pagedrun.sampling_params import (
+    check_field as check_sampling_field,
 )
 
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct

@@ -22,25 +22,36 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from pagedrun.echo import clip, echo
-from pagedrun.errors import PagedrunError
 from pagedrun.config.checks import (  # noqa: F401  (BLOCK_SIZES, parse_size: part of this module's API)
     BLOCK_SIZES,
-    CHECKS as _CHECKS,
     DEFAULT_CPU_KV_FRACTION,
     DEFAULT_MODEL,
-    did_you_mean as _did_you_mean,
-    model_path as _model_path,
     parse_size,
 )
-from pagedrun.config.yaml_loader import DuplicateKey as _DuplicateKey, Loader as _Loader, one_line as _one_line, read_yaml
+from pagedrun.config.checks import (
+    CHECKS as _CHECKS,
+)
+from pagedrun.config.checks import (
+    did_you_mean as _did_you_mean,
+)
+from pagedrun.config.checks import (
+    model_path as _model_path,
+)
+from pagedrun.config.yaml_loader import DuplicateKey as _DuplicateKey
+from pagedrun.config.yaml_loader import Loader as _Loader
+from pagedrun.config.yaml_loader import one_line as _one_line
+from pagedrun.config.yaml_loader import read_yaml
+from pagedrun.errors import PagedrunError, clip, echo
 from pagedrun.sampling_params import (
     InvalidValue,
     SamplingParams,
+)
+from pagedrun.sampling_params import (
     cross_field_problem as sampling_cross_field_problem,
+)
+from pagedrun.sampling_params import (
     unknown_field_message as unknown_sampling_field,
 )
-
 
 # ---------------------------------------------------------------- the recipe
 

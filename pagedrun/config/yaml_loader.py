@@ -18,7 +18,6 @@ import yaml
 from pagedrun.errors import PagedrunError
 from pagedrun.io.input_files import read_input
 
-
 MAX_DEPTH = 16  # the deepest recipe value is a list in a section (sampling.stop): 3
 MAX_BYTES = 1 << 20  # the default recipe, comments and all, is 4 KB; PyYAML reads ~1.5 MB/s
 

@@ -15,25 +15,25 @@ from pathlib import Path
 
 import torch
 
-from pagedrun.worker.model_runner import ModelInput, ModelRunner
+from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
+from pagedrun.config.recipe import Recipe
 from pagedrun.engine.occupancy import occupancy
 from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
-from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
-from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
 from pagedrun.kv.manager import KVCacheManager
-from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
-from pagedrun.worker.populate import CachePopulator
-from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
-from pagedrun.worker.malloc_tuning import tune_glibc_malloc
 from pagedrun.report.metrics import StepRecord
-from pagedrun.config.recipe import Recipe
 from pagedrun.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.grammar import StructuredOutputManager
+from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
+from pagedrun.worker.malloc_tuning import tune_glibc_malloc
+from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
+from pagedrun.worker.model_runner import ModelInput, ModelRunner
+from pagedrun.worker.populate import CachePopulator
+from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

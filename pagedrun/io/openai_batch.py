@@ -24,7 +24,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from pagedrun.echo import clip, echo_json
+from pagedrun.errors import clip, echo_json
 from pagedrun.sampling_params import FIELD_NAMES, InvalidValue, check_field
 
 CHAT_URL = "/v1/chat/completions"

@@ -16,7 +16,7 @@ A line is checked in two stages: LineChecker.check (JSON, fields, values, unique
 tokenizer work) and tokenize (io/tokenize.py: bounded by max_model_len). read_requests does both
 for every line up front; io/stream.py checks the whole file first and tokenizes in a window
 ahead of the engine. Nesting deeper than Python's recursion limit is an "invalid JSON" error; values
-quoted in errors are cut (pagedrun/echo.py).
+quoted in errors are cut (pagedrun/errors.py).
 """
 from __future__ import annotations
 
@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedrun.echo import clip, echo, echo_json
-from pagedrun.errors import PagedrunError
-from pagedrun.io.input_files import read_input
+from pagedrun.errors import PagedrunError, clip, echo, echo_json
 from pagedrun.io import openai_batch
+from pagedrun.io.input_files import read_input
 from pagedrun.io.openai_batch import BatchJob, BatchLine, BatchLineError
 from pagedrun.io.tokenize import LineError, TooLong, check_vocab, need_tokenizer, token_ids
 from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged

@@ -23,8 +23,8 @@ from typing import Any
 from pagedrun.errors import PagedrunError
 from pagedrun.io.input_files import open_input
 from pagedrun.io.openai_batch import BatchJob
-from pagedrun.io.writer import Key, request_key
 from pagedrun.io.requests import OPENAI, InvalidRequest, LineChecker, LineFailure, Request
+from pagedrun.io.writer import Key, request_key
 from pagedrun.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from pagedrun.echo import clip
+from pagedrun.errors import clip
 
 
 class LineError(Exception):

@@ -34,8 +34,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.file_safety import (OutputLock, check_derived, check_output, is_lock, is_meta, is_report,
-                                      lock_path, meta_path, remove_stale_temps, replace_file, report_path, temp_path)
+from pagedrun.io.file_safety import (
+    OutputLock,
+    check_derived,
+    check_output,
+    is_lock,
+    is_meta,
+    is_report,
+    lock_path,
+    meta_path,
+    remove_stale_temps,
+    replace_file,
+    report_path,
+    temp_path,
+)
 
 META_VERSION = 1
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedrun.echo import echo
-from pagedrun.errors import PagedrunError
+from pagedrun.errors import PagedrunError, echo
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch.nn.modules import module as nn_module
 
-from pagedrun.build import cpu as cpu_build
 from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg
 from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.build import cpu as cpu_build
 from pagedrun.models import ops
 
 SOURCE = cpu_build.KERNEL_DIR / "layer_runner_cpu.cpp"

@@ -15,8 +15,8 @@ from typing import Callable, Union
 
 import torch
 
-from pagedrun.errors import PagedrunError
 from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
+from pagedrun.errors import PagedrunError
 
 BlockMapping = list[tuple[int, int]]  # (src_block, dst_block)
 

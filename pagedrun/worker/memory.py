@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pagedrun.errors import PagedrunError
 from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
+from pagedrun.errors import PagedrunError
 from pagedrun.worker.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20

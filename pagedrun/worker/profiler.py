@@ -174,10 +174,10 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
                 num_profile_layers: int = PROFILE_LAYERS) -> MemoryProfile:
     """One forward pass of the worst step the scheduler may build (its first `num_profile_layers`
     decoder layers, the final norm and the LM head), plus the sampler, measured."""
-    from pagedrun.worker.model_runner import ModelInput, ModelRunner
-    from pagedrun.worker.cache_engine import CacheEngine
     from pagedrun.sample.sampler import Sampler, SamplingRow
     from pagedrun.sampling_params import SamplingParams
+    from pagedrun.worker.cache_engine import CacheEngine
+    from pagedrun.worker.model_runner import ModelInput, ModelRunner
 
     lens = profile_batch(max_num_batched_tokens, max_num_seqs, max_model_len)
     num_layers = min(num_profile_layers, model_cfg.num_hidden_layers)

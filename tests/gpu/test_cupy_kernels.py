@@ -183,7 +183,6 @@ def test_gpu_backend_swap_blocks():
 def test_gpu_grouped_kernels(case):
     """GQA-grouped v1 / v2 on the GPU against the float64 reference and the one-head kernels."""
     import cupy
-
     import test_kernels_grouped as G
 
     dtype, head, block, heads, kv = case

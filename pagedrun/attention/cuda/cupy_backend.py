@@ -24,11 +24,11 @@ import weakref
 import numpy as np
 import torch
 
+from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention.cuda import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.errors import PagedrunError
-from pagedrun.attention import kv_cache_spec as kv_quant
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addresses
 

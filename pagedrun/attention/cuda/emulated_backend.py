@@ -13,10 +13,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention.cuda import paged_step
 from pagedrun.attention.metadata import AttentionMetadata
-from pagedrun.attention import kv_cache_spec as kv_quant
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -19,12 +19,26 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
+    BLOCK_SIZES,
+    DTYPES,
+    HEAD_SIZES,
+    KV_DTYPES,
+    MAX_GROUP,
+    MAX_QUANTIZED_GROUP,
+    NUM_THREADS,
+    PARTITION_SIZE,
+    QUANTIZED_KV_DTYPES,
+    WARP_SIZE,
+    KernelVariant,
+    all_variants,
+    dtype_name,
+    group_for,
+    kv_dtype_name,
+)
+
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
 from pagedrun.build.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
-from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
-    BLOCK_SIZES, DTYPES, HEAD_SIZES, KV_DTYPES, MAX_GROUP, MAX_QUANTIZED_GROUP, NUM_THREADS, PARTITION_SIZE,
-    QUANTIZED_KV_DTYPES, WARP_SIZE, KernelVariant, all_variants, dtype_name, group_for, kv_dtype_name,
-)
 
 KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels" / "cuda"
 ATTENTION_SOURCE = "paged_attention.cu"

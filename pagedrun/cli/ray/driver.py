@@ -12,12 +12,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pagedrun.cli.job import job_exit_code, open_output, print_summary
 from pagedrun.cli.ray.cluster import actor_resources, connect, import_ray, quiet_ray_logs
 from pagedrun.cli.ray.merge import ReplicaRecord, merged_report
 from pagedrun.cli.ray.replica import EngineReplica, error_output
 from pagedrun.cli.ray.replica_table import print_replicas
 from pagedrun.errors import PagedrunError
-from pagedrun.cli.job import job_exit_code, open_output, print_summary
 
 # Retries of a batch whose replica died: enough for a node or two going away, few enough that a
 # request that kills its process every time costs minutes, not forever.
@@ -84,11 +84,17 @@ def run_distributed(*, recipe, prompts: Path, writer, output: Path, skip_invalid
 
 def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas: int, resources: dict,
          driver_s: float, output: Path, quiet: bool, console: Console, stop) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    from pagedrun.llm import output_record
     from pagedrun.io.writer import request_key
+    from pagedrun.llm import output_record
 
     if not quiet:
         console.print(f"[bold]ray[/] {len(pending)} requests over {replicas} replica(s), "

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedrun.errors import PagedrunError
 
+
 class EngineReplica:
     """A Ray Data map_batches callable class: one pagedrun engine per actor, reused across batches.
 

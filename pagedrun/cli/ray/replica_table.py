@@ -1,5 +1,5 @@
 """The Ray run's per-replica numbers on the terminal: two stacked tables (the work each replica did,
-then where it ran and its KV cache), each within 80 columns (pagedrun/tables.py). The merged report
+then where it ran and its KV cache), each within 80 columns (pagedrun/console.py). The merged report
 (merge.py) has every number in full."""
 from __future__ import annotations
 

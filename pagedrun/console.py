@@ -1,4 +1,6 @@
-"""The terminal may go away; the job must not.
+"""The terminal: quiet when its reader has gone, and result tables that fit 80 columns.
+
+The terminal may go away; the job must not.
 
 `pagedrun generate ... | head -2` closes the pipe after two lines, and the next write to it raises
 BrokenPipeError (Python ignores SIGPIPE): in the middle of a progress refresh or a summary line that
@@ -6,6 +8,11 @@ would end the job, leaving the output unfinished. Inside `reader_may_leave()`, s
 are wrapped so that the first EPIPE points that descriptor at /dev/null, and from then on every
 write to it (rich, print, Python's flush at exit) succeeds into nothing. The job runs on, the
 outputs file is finished as usual, and the exit code is the job's.
+
+Results (the bench comparison, the memory profile) go to stdout, so they can be piped and saved;
+progress, spinners and errors stay on stderr. Every table fits 80 columns without cutting a cell:
+numbers never wrap (a cut number reads as another number), headers are short or on two lines, and
+a table that would need more columns is stacked into two (docs/architecture.md, house rules).
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
+
+from rich.console import Console
 
 
 class PipeSafe:
@@ -65,3 +74,12 @@ def reader_may_leave() -> Iterator[None]:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+
+
+WIDTH = 80  # the narrowest terminal the tables are designed for (tests/test_tables.py renders at it)
+
+
+def results_console(console: Console) -> Console:
+    """Where results go: stdout when `console` is the CLI's stderr console; otherwise `console`
+    itself (a caller that captures the output, such as a test, gets everything in one place)."""
+    return Console(highlight=False) if console.stderr else console
