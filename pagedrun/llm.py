@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedrun.config.recipe import Recipe, load_recipe
-from pagedrun.engine.engine import LLMEngine, RequestOutput
+from pagedrun.engine.engine import LLMEngine
+from pagedrun.outputs import RequestOutput
 from pagedrun.errors import PagedrunError
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
 from pagedrun.report.metrics import RunTally, StepRecord
@@ -112,31 +113,3 @@ class LLM:
     def generate(self, prompts: Sequence[Any], sampling_params: SamplingParams | None = None,
                  **kwargs) -> list[RequestOutput]:
         return self.run(self.make_requests(prompts, sampling_params), **kwargs)
-
-
-def output_record(o: RequestOutput) -> dict:
-    """One line of outputs.jsonl."""
-    rec: dict[str, Any] = {"id": o.request_id, "prompt_tokens": len(o.prompt_token_ids)}
-    if o.error is not None:
-        rec["error"] = o.error
-        return rec
-    completions = [
-        {k: v for k, v in (("index", c.index), ("text", c.text), ("token_ids", c.token_ids),
-                           ("finish_reason", c.finish_reason), ("stop_reason", c.stop_reason),
-                           ("logprobs", c.logprobs)) if k != "logprobs" or v is not None}
-        for c in o.outputs
-    ]
-    if len(completions) == 1:
-        c = completions[0]
-        c.pop("index")
-        rec.update(c)
-    else:
-        rec["outputs"] = completions
-    rec["cached_prompt_tokens"] = o.num_cached_prompt_tokens
-    rec["num_preemptions"] = o.num_preemptions
-    rec["metrics"] = o.metrics
-    return rec
-
-
-def invalid_record(r: InvalidRequest) -> dict:
-    return {"id": r.id, "error": r.error}

@@ -20,7 +20,7 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
     requests by id; what the output already holds is not run again.
     Returns (requests to run, every key in input order)."""
     from pagedrun.io.writer import invalid_key, request_key
-    from pagedrun.llm import invalid_record
+    from pagedrun.io.jsonl import invalid_record
 
     writer.open()
     if writer.discarded and not quiet:
@@ -28,8 +28,7 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
                       "their requests will be redone", highlight=False, soft_wrap=True, markup=False)
     for bad in invalid:
         if invalid_key(bad.line) not in writer:
-            rec = invalid_record(bad)
-            writer.write({"id": rec["id"], "line": bad.line, **rec}, invalid_key(bad.line))
+            writer.write(invalid_record(bad), invalid_key(bad.line))
     pending = [r for r in requests if request_key(r.id) not in writer]
     order = [k for _, k in sorted([(r.line, request_key(r.id)) for r in requests]
                                   + [(b.line, invalid_key(b.line)) for b in invalid])]
@@ -57,27 +56,26 @@ def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, co
 
 class OutputRecords:
     """The output lines of a run in its input's format: pagedrun's JSONL records, or, for an OpenAI
-    batch file (`job` given), the Batch API's output lines (io/openai_output.py)."""
+    batch file (`job` given), the Batch API's output lines (io/openai_batch.py)."""
 
     def __init__(self, job, tokenizer) -> None:
         self.job, self.tokenizer = job, tokenizer
 
     def invalid(self, bad) -> dict:
-        from pagedrun.llm import invalid_record
+        from pagedrun.io.jsonl import invalid_record
 
         if self.job is None:
-            rec = invalid_record(bad)
-            return {"id": rec["id"], "line": bad.line, **rec}
-        from pagedrun.io.openai_output import error_line
+            return invalid_record(bad)
+        from pagedrun.io.openai_batch import error_line
 
         return error_line(bad.id, bad.custom_id, bad.code, bad.error)
 
     def finished(self, o, batch) -> dict:
-        from pagedrun.llm import output_record
+        from pagedrun.io.jsonl import output_record
 
         if self.job is None or batch is None:
             return output_record(o)
-        from pagedrun.io.openai_output import output_line
+        from pagedrun.io.openai_batch import output_line
 
         return output_line(o, batch, self.job, self.tokenizer)
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.manager import KVCacheManager
+from pagedrun.outputs import CompletionOutput, RequestOutput
 from pagedrun.report.metrics import StepRecord
 from pagedrun.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
@@ -36,32 +36,6 @@ from pagedrun.worker.populate import CachePopulator
 from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    logprobs: list[dict] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    index: int
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_prompt_tokens: int = 0
-    num_preemptions: int = 0
-    metrics: dict = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason not in (None, "abort") for o in self.outputs) and self.error is None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -94,7 +94,7 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
     )
 
     from pagedrun.io.writer import request_key
-    from pagedrun.llm import output_record
+    from pagedrun.io.jsonl import output_record
 
     if not quiet:
         console.print(f"[bold]ray[/] {len(pending)} requests over {replicas} replica(s), "

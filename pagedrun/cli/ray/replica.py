@@ -124,7 +124,7 @@ class _Req:
 
 def error_output(r: _Req, message: str):
     """The record of a request that got no answer: failed in a replica, or (driver) never returned."""
-    from pagedrun.engine.engine import RequestOutput
+    from pagedrun.outputs import RequestOutput
 
     return RequestOutput(r.id, 0, list(r.prompt_token_ids), [], error=message)
 

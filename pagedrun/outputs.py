@@ -1,0 +1,34 @@
+"""What a finished request gives back: vLLM's RequestOutput and CompletionOutput.
+
+The engine builds them; the LLM facade returns them to Python users; io/jsonl.py and
+io/openai_batch.py turn them into output lines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason not in (None, "abort") for o in self.outputs) and self.error is None
