@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine {label} {backend}/{shown}: {wall:.1f}s incl. load; in use {in_use / 2**30:.2f} GiB "
                   f"(limit {limit / 2**30:.2f}); torch max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; "
                   f"cupy pool {cupy.get_default_memory_pool().total_bytes() / 2**20:.1f} MiB; "
-                  f"kernel {getattr(llm.engine.backend, 'last_version', None)}; "
+                  f"kernel {getattr(llm.engine.worker.backend, 'last_version', None)}; "
                   f"plan: {llm.engine.memory.summary()[-1]}")
             prof = llm.engine.memory.profile
             print(f"  profile: non-torch {prof.non_torch_bytes / 2**20:.0f} MiB, weights {prof.weights_bytes / 2**20:.0f} MiB, "

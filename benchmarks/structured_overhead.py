@@ -85,7 +85,7 @@ def main() -> None:
     Manager.after_token = timed(timers, "matchers", Manager.after_token)
     llm = LLM(EXAMPLE / "recipe.yaml", [f"model.threads={args.threads}", f"sampling.max_tokens={args.max_tokens}",
                                         "cache.enable_prefix_caching=false"])
-    llm.engine.runner.execute = timed(timers, "model", llm.engine.runner.execute)
+    llm.engine.worker.runner.execute = timed(timers, "model", llm.engine.worker.runner.execute)
     base, _ = llm.read_requests(EXAMPLE / "prompts.jsonl")
     reqs = copy.deepcopy(base) + copy.deepcopy(base)
     for i, r in enumerate(reqs):

@@ -323,9 +323,9 @@ def test_engine_runs_the_kernel_and_matches_the_torch_path(kern, tmp_path):
                                     "cache.block_size=8", "cache.num_blocks=256",
                                     "scheduler.max_num_batched_tokens=24"])
         llm = LLM(recipe)
-        llm.engine.backend.use_cpu_kernel = use_kernel
+        llm.engine.worker.backend.use_cpu_kernel = use_kernel
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], None)
-        assert llm.engine.backend.last_path == ("cpu_kernel" if use_kernel else "torch")
+        assert llm.engine.worker.backend.last_path == ("cpu_kernel" if use_kernel else "torch")
         assert sum(s.prefix_hit_tokens for s in llm.engine.steps) > 0
         results[use_kernel] = [o.outputs[0].token_ids for o in outs]
     assert results[True] == results[False]

@@ -28,7 +28,7 @@ def test_generate_with_emulated_cuda_kernels_equals_torch_backend(tmp_path):
     prompts.append(prompts[3][:16] + [5, 6, 7])
     torch_out = LLM(load_recipe(None, sets + ["model.attention_backend=torch"])).generate(prompts)
     llm = LLM(load_recipe(None, sets + ["model.attention_backend=emulated"]))
-    assert llm.engine.backend.name == "emulated"
+    assert llm.engine.worker.backend.name == "emulated"
     emu_out = llm.generate(prompts)
     assert [o.outputs[0].token_ids for o in emu_out] == [o.outputs[0].token_ids for o in torch_out]
     assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16
@@ -51,12 +51,12 @@ def test_gpu_path_sdpa_prefill_with_emulated_decode_kernels_equals_hf(tmp_path):
     sets = [f"model.path={d}", "cache.block_size=8", "cache.num_blocks=40", "sampling.max_tokens=6",
             "sampling.ignore_eos=true", "model.attention_backend=emulated", "scheduler.max_num_batched_tokens=20"]
     llm = LLM(load_recipe(None, sets))
-    llm.engine.backend = llm.engine.runner.backend = EmulatedAttentionBackend(prefill="sdpa")
+    llm.engine.worker.backend = llm.engine.worker.runner.backend = EmulatedAttentionBackend(prefill="sdpa")
     out = [o.outputs[0].token_ids for o in llm.generate(prompts)]
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
            for p in prompts]
     assert out == ref
-    assert llm.engine.backend.last_version == "v1"  # decodes went through the kernels
+    assert llm.engine.worker.backend.last_version == "v1"  # decodes went through the kernels
     assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16

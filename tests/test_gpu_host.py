@@ -519,7 +519,7 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     def oom(inputs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", oom)
+    monkeypatch.setattr(llm.engine.worker.runner, "execute", oom)
     with pytest.raises(PagedrunError, match=r"a step of 3 tokens ran out of device memory .*1.00 GiB"):
         llm.generate([[5, 6, 7]])
 

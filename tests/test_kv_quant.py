@@ -203,7 +203,7 @@ def test_greedy_agreement_per_family(tmp_path, family):
     ref, _ = _run(d, "cache.num_blocks=256")
     for name, bound in MIN_AGREEMENT.items():
         got, engine = _run(d, "cache.num_blocks=256", f"cache.kv_cache_dtype={name}")
-        assert engine.cache_engine.gpu_kv_cache.element_size() == 1
+        assert engine.worker.cache_engine.gpu_kv_cache.element_size() == 1
         assert _agreement(got, ref) >= bound, (name, _agreement(got, ref))
 
 
@@ -231,7 +231,7 @@ def test_recipe_scale_and_bad_calibration(tmp_path):
 
     d = make_tiny_model("llama", tmp_path / "m")
     _, engine = _run(d, "cache.num_blocks=64", "cache.kv_cache_dtype=fp8", "cache.k_scale=0.25", "cache.v_scale=0.5")
-    assert engine.cache_engine.layer_scales[:, 0].tolist() == [0.25] * engine.model_config.num_hidden_layers
+    assert engine.worker.cache_engine.layer_scales[:, 0].tolist() == [0.25] * engine.model_config.num_hidden_layers
     with pytest.raises(PagedrunError, match="cache.k_scale=0: must be a number > 0"):
         _run(d, "cache.kv_cache_dtype=fp8", "cache.k_scale=0")
-    assert math.isfinite(float(engine.cache_engine.layer_scales.sum()))
+    assert math.isfinite(float(engine.worker.cache_engine.layer_scales.sum()))

@@ -45,43 +45,43 @@ class _Counting:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_runner_gives_the_loops_logits(tmp_path, family, dtype):
     eng = _engine(tmp_path, family, dtype)
-    runner = eng.model.layer_runner
+    runner = eng.worker.model.layer_runner
     assert runner is not None
     counter = _Counting(runner.lib)
     runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
     for n, step in enumerate(STEPS, 1):
         inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in step]
-        fast = eng.runner.execute(inputs)
-        assert counter.calls == n and eng.backend.last_path == "cpu_kernel"
-        eng.model.layer_runner = None
+        fast = eng.worker.runner.execute(inputs)
+        assert counter.calls == n and eng.worker.backend.last_path == "cpu_kernel"
+        eng.worker.model.layer_runner = None
         try:
             # The loop writes the same K/V into the same slots, then attends over them.
-            slow = eng.runner.execute(inputs)
+            slow = eng.worker.runner.execute(inputs)
         finally:
-            eng.model.layer_runner = runner
+            eng.worker.model.layer_runner = runner
         assert counter.calls == n
-        assert fast.shape == (3, eng.model.config.vocab_size)
+        assert fast.shape == (3, eng.worker.model.config.vocab_size)
         assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
 
 
 def test_runner_stands_aside(tmp_path, monkeypatch):
     eng = _engine(tmp_path, "llama", "bfloat16")
-    runner = eng.model.layer_runner
+    runner = eng.worker.model.layer_runner
     counter = _Counting(runner.lib)
     runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
     inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in STEPS[0]]
     with ops.torch_only():  # the ops' torch path: the runner must not run the kernels behind its back
-        eng.runner.execute(inputs)
+        eng.worker.runner.execute(inputs)
     ran = []
-    hook = eng.model.model.layers[1].register_forward_hook(lambda *a: ran.append(1))
-    eng.runner.execute(inputs)  # a hooked layer must be called
+    hook = eng.worker.model.model.layers[1].register_forward_hook(lambda *a: ran.append(1))
+    eng.worker.runner.execute(inputs)  # a hooked layer must be called
     hook.remove()
     assert ran == [1]
-    monkeypatch.setattr(eng.backend, "use_cpu_kernel", False)
-    eng.runner.execute(inputs)
+    monkeypatch.setattr(eng.worker.backend, "use_cpu_kernel", False)
+    eng.worker.runner.execute(inputs)
     assert counter.calls == 0
     monkeypatch.undo()
-    eng.runner.execute(inputs)
+    eng.worker.runner.execute(inputs)
     assert counter.calls == 1  # the same engine, nothing in the way: the runner again
 
 
@@ -89,4 +89,4 @@ def test_runner_reports_a_refused_call(tmp_path):
     eng = _engine(tmp_path, "llama", "float32")
     inputs = [ModelInput([5, 6], 0, [999], sample=True)]  # a block far outside the 32-block cache
     with pytest.raises(RuntimeError, match=r"layer runner: layer 0, call \d+ refused"):
-        eng.runner.execute(inputs)
+        eng.worker.runner.execute(inputs)

@@ -106,4 +106,4 @@ def test_the_cpu_engine_applies_them(tmp_path):
 
     model_dir = make_tiny_model("llama", tmp_path / "m")
     llm = LLM(None, [f"model.path={model_dir}", "model.device=cpu", "cache.num_blocks=16"])
-    assert llm.engine.malloc_tuning == tune_glibc_malloc() is not None
+    assert llm.engine.worker.malloc_tuning == tune_glibc_malloc() is not None

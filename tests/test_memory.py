@@ -302,7 +302,7 @@ print(json.dumps(dict(
     kv=m.kv_cache_bytes, peak=run.peak, growth=rss_bytes() - start,
     lengths=[len(o.outputs[0].token_ids) for o in outs],
     max_blocks_in_use=max(s.blocks_in_use for s in llm.engine.steps),
-    gathers=llm.engine.backend.load_cpu_kernel() is None)))
+    gathers=llm.engine.worker.backend.load_cpu_kernel() is None)))
 """
 
 

@@ -76,5 +76,5 @@ def test_engine_populates_ahead_of_the_blocks_it_writes(tmp_path):
     llm.generate([[5, 6, 7] * 20] * 4)
     eng = llm.engine
     assert eng.kv.num_gpu_blocks_touched > 0
-    if eng.populator.active:
-        assert eng.populator.populated >= eng.kv.num_gpu_blocks_touched
+    if eng.worker.populator.active:
+        assert eng.worker.populator.populated >= eng.kv.num_gpu_blocks_touched

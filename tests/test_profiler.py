@@ -33,7 +33,7 @@ def test_engine_after_profile_runs_every_layer(tmp_path):
     d = make_tiny_model("llama", tmp_path / "m", num_hidden_layers=5)
     llm = LLM(load_recipe(None, [f"model.path={d}", "cache.num_blocks=64"]))
     ran: list[int] = []
-    for i, layer in enumerate(llm.engine.model.model.layers):
+    for i, layer in enumerate(llm.engine.worker.model.model.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
     llm.generate([[5, 6, 7]])
     assert ran[:5] == [0, 1, 2, 3, 4]

@@ -56,8 +56,8 @@ def test_hand_computed_blocks_utilisation_fragmentation_contiguous(model_dir):
                                 "bytes_per_token": llm.engine.memory.block_bytes // 8, "kv_cache_dtype": "float32"}
     assert r["blocks_in_use"]["peak"] == 5
     pages = r["kv_pages_committed"]  # a whole chunk of blocks ahead of the 5 used, or off
-    if llm.engine.populator.active:
-        assert pages["blocks"] == llm.engine.populator.populated >= 5 and pages["seconds"] > 0
+    if llm.engine.worker.populator.active:
+        assert pages["blocks"] == llm.engine.worker.populator.populated >= 5 and pages["seconds"] > 0
         assert pages["bytes"] == pages["blocks"] * llm.engine.memory.block_bytes
     assert r["blocks_in_use"]["mean"] == pytest.approx(14 / 4)
     assert r["utilisation"]["tokens_stored_over_slots_allocated"] == pytest.approx(87 / 112)

@@ -113,12 +113,12 @@ def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
         "kv_utilisation": report["utilisation"]["tokens_stored_over_slots_allocated"],
         "kv_utilisation_kind": "measured per step: tokens stored / blocks in use x block_size, summed over steps",
         "report": report,
-        "kv_populate_s": llm.engine.populator.seconds,
+        "kv_populate_s": llm.engine.worker.populator.seconds,
         "kv_populate_s_kind": "measured: wall time committing KV-cache pages inside the run (worker/populate.py); "
                               "vLLM zeroes its whole cache at load",
         # What pagedrun's engine set for itself (pagedrun/worker/malloc_tuning.py); HF runs with glibc's
         # defaults, which measured faster for it.
-        "malloc_tuning": llm.engine.malloc_tuning,
+        "malloc_tuning": llm.engine.worker.malloc_tuning,
     }
 
 

@@ -93,7 +93,7 @@ def _check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bo
 
 def model_name(recipe) -> str:
     """The model's name in a batch file's outputs: its directory's (SmolLM2-135M-Instruct by default)."""
-    from pagedrun.engine.engine import resolve_model_dir
+    from pagedrun.models.loader import resolve_model_dir
 
     return resolve_model_dir(recipe.model.path).name
 
@@ -187,8 +187,8 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     m = e.memory
     cfg = e.model_config
     console.print(
-        f"[bold]model[/] {e.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
-        f"{e.recipe.model.dtype}, {e.device}) loaded in {load_s:.1f}s; attention backend: {e.backend.name}",
+        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
+        f"{e.recipe.model.dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )
     from pagedrun.report.report import cpu_kernels_status

@@ -19,8 +19,8 @@ def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console
     """Open the output of a run or a resumed one (also the Ray driver's): error records keyed by line,
     requests by id; what the output already holds is not run again.
     Returns (requests to run, every key in input order)."""
-    from pagedrun.io.writer import invalid_key, request_key
     from pagedrun.io.jsonl import invalid_record
+    from pagedrun.io.writer import invalid_key, request_key
 
     writer.open()
     if writer.discarded and not quiet:

@@ -48,13 +48,13 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
         blocks = [request_blocks(len(r.prompt_token_ids), r.sampling.max_tokens, r.sampling.n, engine.memory.block_size,
                                  engine.max_model_len) for r in requests]
         fit = {"path": str(prompts), "num_invalid": len(invalid), **requests_fit(blocks, engine.memory.num_gpu_blocks).__dict__}
-    model = {"path": str(engine.model_dir), "architecture": engine.model_config.architecture,
+    model = {"path": str(engine.worker.model_dir), "architecture": engine.model_config.architecture,
              "dtype": recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
              "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim}
     data = plan_json(engine.memory, recipe, fit, model=model)
-    data["derived"]["kv_cache_dtype"] = engine.kv_spec.name
-    data["kv_dtypes"] = kv_dtype_rows(engine.memory, engine.model_config, engine.dtype, engine.kv_spec.name)
-    if engine.device.type == "cpu":
+    data["derived"]["kv_cache_dtype"] = engine.worker.kv_spec.name
+    data["kv_dtypes"] = kv_dtype_rows(engine.memory, engine.model_config, engine.worker.dtype, engine.worker.kv_spec.name)
+    if engine.worker.device.type == "cpu":
         data["measured"]["rss_after_start_bytes"] = rss_bytes()
     out = results_console(console)
     out.print(plan_table(data))

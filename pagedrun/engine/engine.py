@@ -1,110 +1,55 @@
-"""LLMEngine.step(): one iteration of continuous batching.
+"""LLMEngine.step(): one iteration of continuous batching, in three phases.
 
-    1. scheduler.schedule()            -> SchedulerOutput (tensor-free decision)
-    2. cache_engine swap in / swap out / copy, in that order
-    3. model_runner.execute()          -> logits of the sequences that produce a token
-    4. sampler                          -> token ids (n rows for a prompt that forks into n)
-    5. advance progress, register full blocks in the prefix cache, fork, check stops, free blocks
-    6. record a StepRecord              -> the run's report
+    schedule  scheduler.schedule()        -> SchedulerOutput (which tokens run, in which blocks)
+    execute   worker.prepare + execute    -> swap / copy blocks, run the model, sample token ids
+    update    advance progress, register full blocks in the prefix cache, fork, check stops,
+              free blocks, hand back finished requests, record a StepRecord (the run's report)
+
+The engine holds no tensor and imports no torch: everything on a device is the Worker's
+(worker/worker.py), reached through plain lists of ids, positions and block tables.
 """
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import torch
-
-from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
 from pagedrun.config.recipe import Recipe
 from pagedrun.engine.occupancy import occupancy
 from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
-from pagedrun.errors import PagedrunError
 from pagedrun.kv.manager import KVCacheManager
 from pagedrun.outputs import CompletionOutput, RequestOutput
 from pagedrun.report.metrics import StepRecord
-from pagedrun.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.grammar import StructuredOutputManager
-from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
-from pagedrun.worker.malloc_tuning import tune_glibc_malloc
-from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
-from pagedrun.worker.model_runner import ModelInput, ModelRunner
-from pagedrun.worker.populate import CachePopulator
-from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PagedrunError("model.device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
-    return torch.device(name)
-
-
-def resolve_model_dir(path: str) -> Path:
-    if path == "default":
-        from pagedrun.models.default_model import default_model_dir
-
-        return default_model_dir()
-    return Path(path)
 
 
 class LLMEngine:
     def __init__(self, recipe: Recipe):
-        from pagedrun.attention.registry import make_backend
-        from pagedrun.models.loader import load_model, load_tokenizer
+        from pagedrun.worker.worker import Worker  # torch is slow to import: only when an engine is built
 
         self.recipe = recipe
-        if recipe.model.threads:
-            torch.set_num_threads(recipe.model.threads)
-        self.device = resolve_device(recipe.model.device)
-        # Before the memory profile, so that it sees the heap the steps will use.
-        self.malloc_tuning = tune_glibc_malloc() if self.device.type == "cpu" else None
-        self.dtype = DTYPES[recipe.model.dtype]
-        self.model_dir = resolve_model_dir(recipe.model.path)
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        cfg = self.model_config
-        self.max_model_len = recipe.model.max_model_len or min(cfg.max_position_embeddings, 8192)
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise PagedrunError(
-                f"model.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({cfg.max_position_embeddings})"
-            )
+        self.worker = Worker(recipe)
+        # What the engine reads of the worker is data, not tensors: the plan the KV budget came
+        # from, the model's config, the tokenizer (stop strings, structured outputs).
+        self.memory = self.worker.memory
+        self.model_config = cfg = self.worker.model_config
+        self.tokenizer = self.worker.tokenizer
+        self.max_model_len = self.worker.max_model_len
         sched = recipe.scheduler
-        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
-                                                self.max_model_len)
-        num_cpu_blocks = self.memory.num_cpu_blocks if sched.preemption_mode == "swap" else 0
-        self.kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, self.dtype)
-        self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
-        self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                        recipe.cache.block_size, self.memory.num_gpu_blocks, num_cpu_blocks,
-                                        self.dtype, self.device, self.kv_spec,
-                                        (recipe.cache.k_scale, recipe.cache.v_scale))
-        cap_torch_memory(self.memory, self.device)
-        self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
-                                        threads=torch.get_num_threads())
-        self._scales_checked = self.cache_engine.layer_scales is None
-        self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, num_cpu_blocks,
+        self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, self.worker.num_cpu_blocks,
                                  enable_prefix_caching=recipe.cache.enable_prefix_caching,
                                  watermark=recipe.cache.watermark)
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, sched.preemption_mode),
             self.kv, self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
-                                  self.device)
-        self.sampler = Sampler(recipe.seed)
         eos = set(cfg.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
-        self.generators: dict[int, torch.Generator] = {}
+        self.generators: dict[int, object] = {}  # seq_id -> the worker's seeded stream
         self.structured: StructuredOutputManager | None = None  # built by the first constrained request
         self.steps: list[StepRecord] = []
         self.t0 = time.perf_counter()
@@ -126,7 +71,7 @@ class LLMEngine:
         seq = Sequence(self._new_seq_id(), len(prompt_token_ids), list(prompt_token_ids))
         group = SequenceGroup(request_id, index, sampling, [seq], parent=parent, child_index=child_index)
         if sampling.seed is not None:
-            self.generators[seq.seq_id] = make_generator(sampling.seed)
+            self.generators[seq.seq_id] = self.worker.make_generator(sampling.seed)
         if sampling.structured_outputs is not None:
             if self.structured is None:
                 self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
@@ -147,29 +92,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         finished = [o for g, reason in out.aborted if (o := self._error_output(g, reason)) is not None]
         if out.is_empty:
-            finished += self._unblock()
-            return finished
+            return finished + self._unblock()
+        result, row_owner = self._execute(out)
+        finished += self._update(out, result, row_owner, t_start)
+        self._record(out, t_start, len(finished), len(result.token_ids) if result is not None else 0)
+        return finished
 
-        self.populator.ensure(self.kv.num_gpu_blocks_touched)
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.copy(out.blocks_to_copy)
-
+    def _execute(self, out: SchedulerOutput):
+        """The worker runs the scheduled tokens and samples one row per sampling sequence (n rows for
+        a prompt that is about to fork into n)."""
+        self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
         inputs = [
-            ModelInput(s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-                       s.seq.num_computed_tokens, self.kv.get_block_table(s.seq.seq_id), s.samples)
+            (s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
+             s.seq.num_computed_tokens, self.kv.get_block_table(s.seq.seq_id), s.samples)
             for s in out.scheduled
         ]
-        try:
-            logits = self.runner.execute(inputs)
-        except CUDA_OOM as e:
-            raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in inputs), e) from None
-        if not self._scales_checked:  # fp8: every layer's scale was set by this first step's writes
-            given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
-            check_scales(self.cache_engine.layer_scales, "from the recipe" if given else "calibrated on the first step")
-            self._scales_checked = True
-
-        # Rows to sample: one per sampling sequence, n for a prompt that is about to fork into n.
         row_of, rows, row_owner = [], [], []
         r = 0
         for s in out.scheduled:
@@ -181,15 +118,14 @@ class LLMEngine:
             grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
             for k in range(fan):
                 row_of.append(r)
-                rows.append(SamplingRow(group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len),
-                                        grammar=grammar))
+                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar))
             row_owner.append((s, fan, gens))
             r += 1
-        result = None
-        if rows:
-            expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]
-            result = self.sampler(expanded, rows)
+        return self.worker.execute(inputs, row_of, rows), row_owner
 
+    def _update(self, out: SchedulerOutput, result, row_owner, t_start: float) -> list[RequestOutput]:
+        """Advance every scheduled sequence, append the sampled tokens (forking where a prompt asked
+        for n), check stops, free what finished; the finished requests' outputs."""
         now = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -219,24 +155,23 @@ class LLMEngine:
             if group not in touched_groups:
                 touched_groups.append(group)
                 group.token_times.append(now)
-        done = self.scheduler.remove_finished()
-        for g in done:
+        finished = []
+        for g in self.scheduler.remove_finished():
             g.finished_time = now
             o = self._request_output(g)
             if o is not None:
                 finished.append(o)
-        self._record(out, t_start, len(finished), len(rows))
         return finished
 
-    def _generators(self, seq: Sequence, group: SequenceGroup, fan: int) -> list[torch.Generator | None]:
+    def _generators(self, seq: Sequence, group: SequenceGroup, fan: int) -> list[object | None]:
         """The sequence's own generator; for a prompt about to fork, one new stream per child."""
         if group.sampling.seed is None:
             return [None] * fan
         return [self.generators[seq.seq_id]] + [
-            make_generator(group.sampling.seed + k * CHILD_SEED_STRIDE) for k in range(1, fan)
+            self.worker.make_generator(group.sampling.seed + k * CHILD_SEED_STRIDE) for k in range(1, fan)
         ]
 
-    def _fork(self, group: SequenceGroup, gens: list[torch.Generator | None]) -> list[Sequence]:
+    def _fork(self, group: SequenceGroup, gens: list[object | None]) -> list[Sequence]:
         parent = group.seqs[0]
         children = []
         for g in gens:

@@ -233,3 +233,16 @@ def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, 
     for key in needed:
         out[key] = _number(params.get(key), f"{rope_type}: {key}", lambda k, m: err("rope_scaling", f"{k}: {m}"))
     return float(theta), out
+
+
+def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
+    """The run's max_model_len: the recipe's, else the model's context capped at 8192 (a longer
+    default would size every sequence's worst case, and the KV budget, for contexts batch jobs
+    rarely use). One rule for a local run, a Ray driver and its replicas."""
+    max_model_len = requested or min(cfg.max_position_embeddings, 8192)
+    if max_model_len > cfg.max_position_embeddings:
+        raise PagedrunError(
+            f"model.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    return max_model_len

@@ -132,3 +132,12 @@ def load_tokenizer(model_dir: Path):
 
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The recipe's model.path as a directory: "default" is the default model, materialised once."""
+    if path == "default":
+        from pagedrun.models.default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(path)

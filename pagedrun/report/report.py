@@ -127,14 +127,14 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
 def cpu_kernels_status(engine) -> str | None:
     """'on' or 'off (<why>)' for the C++ CPU kernels of a CPU engine, None on a GPU. Loads them
     (once per process), so that start-up can say it before the first step builds them."""
-    device = getattr(engine, "device", None)  # absent on a Ray replica's rebuilt view (cli/ray/merge.py)
+    device = getattr(engine.worker, "device", None)  # absent on a Ray replica's rebuilt view (cli/ray/merge.py)
     if device is None or device.type != "cpu":
         return None
     from pagedrun.build import cpu as cpu_build
     from pagedrun.models import ops
 
     ops.load()
-    load_attention = getattr(engine.backend, "load_cpu_kernel", None)
+    load_attention = getattr(engine.worker.backend, "load_cpu_kernel", None)
     if load_attention is not None:
         try:
             load_attention()
@@ -228,7 +228,7 @@ def _leaves(d: dict, prefix: str = ""):
 
 
 def _pages_committed(engine, block_bytes: int) -> dict:
-    pop = engine.populator  # worker/populate.py's CachePopulator, or what a Ray replica reported of it
+    pop = engine.worker.populator  # worker/populate.py's CachePopulator, or what a Ray replica reported of it
     return {"blocks": pop.blocks_committed, "bytes": pop.blocks_committed * block_bytes, "seconds": pop.seconds}
 
 

@@ -27,18 +27,12 @@ MAX_TASK_RETRIES = 3
 def request_checker(recipe):
     """The tokenizer and limits read_requests needs, without loading weights (the driver may have
     no GPU; the engines live in the actors)."""
-    from pagedrun.engine.engine import resolve_model_dir
-    from pagedrun.models.loader import load_tokenizer, read_config
+    from pagedrun.models.config import resolve_max_model_len
+    from pagedrun.models.loader import load_tokenizer, read_config, resolve_model_dir
 
     model_dir = resolve_model_dir(recipe.model.path)
     cfg = read_config(model_dir, recipe.model.max_model_len)
-    max_model_len = recipe.model.max_model_len or min(cfg.max_position_embeddings, 8192)
-    if max_model_len > cfg.max_position_embeddings:  # the same check (and words) as LLMEngine
-        raise PagedrunError(
-            f"model.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings})"
-        )
-    return load_tokenizer(model_dir), cfg, max_model_len
+    return load_tokenizer(model_dir), cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
 
 
 def pick_batch_size(num_requests: int, replicas: int, max_num_seqs: int) -> int:
@@ -93,8 +87,8 @@ def _run(ray, pending, order, invalid, writer, *, recipe, actor_recipe, replicas
         TimeRemainingColumn,
     )
 
-    from pagedrun.io.writer import request_key
     from pagedrun.io.jsonl import output_record
+    from pagedrun.io.writer import request_key
 
     if not quiet:
         console.print(f"[bold]ray[/] {len(pending)} requests over {replicas} replica(s), "

@@ -38,7 +38,7 @@ class _EngineView:
     steps: list
     memory: Any
     max_model_len: int
-    populator: Any  # blocks_committed, seconds: what the replica's populators reported
+    worker: Any  # .populator.blocks_committed, .seconds: what the replica's populators reported
 
 
 _SUMMED = (("num_requests",), ("num_errors",), ("num_steps",), ("throughput", "output_tokens"),
@@ -68,7 +68,8 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
     replicas = []
     for rec in records:
         view = _EngineView(rec.steps, rec.memory, rec.max_model_len,
-                           SimpleNamespace(blocks_committed=rec.pages_committed[0], seconds=rec.pages_committed[1]))
+                           SimpleNamespace(populator=SimpleNamespace(blocks_committed=rec.pages_committed[0],
+                                                                     seconds=rec.pages_committed[1])))
         rep = build_report(view, sorted(rec.results, key=lambda o: o.index), wall_s=rec.busy_s, load_s=rec.load_s,
                            interrupted=interrupted)
         replicas.append({"replica": rec.replica, "node": rec.node, "pid": rec.pid, "device": rec.device,

@@ -47,7 +47,7 @@ class EngineReplica:
 
     def _pages_committed(self) -> tuple[int, float]:
         """KV blocks committed ahead of use and the seconds it took, over all of this replica's engines."""
-        pop = self.llm.engine.populator
+        pop = self.llm.engine.worker.populator
         return self.pages_before[0] + pop.blocks_committed, self.pages_before[1] + pop.seconds
 
     def __call__(self, batch: dict) -> dict:
@@ -88,7 +88,7 @@ class EngineReplica:
         engine = self.llm.engine
         steps = self.pending_steps + engine.steps[self._sent:]
         self.pending_steps, self._sent = [], len(engine.steps)
-        stats = {"replica": self.replica_id, "node": _node(), "pid": os.getpid(), "device": str(engine.device),
+        stats = {"replica": self.replica_id, "node": _node(), "pid": os.getpid(), "device": str(engine.worker.device),
                  "memory": engine.memory, "max_model_len": engine.max_model_len, "load_s": self.load_s,
                  "busy_s": busy_s, "steps": steps, "pages_committed": self._pages_committed()}
         by_id = {o.request_id: o for o in outs}

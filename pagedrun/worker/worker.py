@@ -1,0 +1,104 @@
+"""Worker: everything of a run that holds tensors, behind the few calls the engine makes.
+
+vLLM v1's split: the engine (engine/, kv/) decides which tokens of which sequences run this step
+and in which KV blocks, without a tensor; the worker owns the device, the model, the KV cache
+tensors and the sampler, and turns each decision into token ids.
+
+    Worker(recipe)            device, model and tokenizer, memory plan (profiled), KV tensors
+    worker.prepare(out, n)    commit KV pages, then swap in / swap out / copy blocks, in that order
+    worker.execute(inputs, rows)
+                              the forward pass of the scheduled tokens, then the sampler's token ids
+    worker.make_generator(s)  a seeded random stream for one sequence (opaque to the engine)
+
+What crosses the wall is plain data: the scheduler's block lists, per-sequence tuples of token ids,
+positions and block tables, per-row sampling parameters, and the sampled ids back.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
+from pagedrun.attention.registry import make_backend
+from pagedrun.config.recipe import Recipe
+from pagedrun.errors import PagedrunError
+from pagedrun.models.config import resolve_max_model_len
+from pagedrun.models.loader import load_model, load_tokenizer, resolve_model_dir
+from pagedrun.sample.sampler import Sampler, SampleResult, SamplingRow, make_generator
+from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
+from pagedrun.worker.malloc_tuning import tune_glibc_malloc
+from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
+from pagedrun.worker.model_runner import ModelInput, ModelRunner
+from pagedrun.worker.populate import CachePopulator
+from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PagedrunError("model.device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
+    return torch.device(name)
+
+
+class Worker:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        if recipe.model.threads:
+            torch.set_num_threads(recipe.model.threads)
+        self.device = resolve_device(recipe.model.device)
+        # Before the memory profile, so that it sees the heap the steps will use.
+        self.malloc_tuning = tune_glibc_malloc() if self.device.type == "cpu" else None
+        self.dtype = DTYPES[recipe.model.dtype]
+        self.model_dir = resolve_model_dir(recipe.model.path)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        cfg = self.model_config
+        self.max_model_len = resolve_max_model_len(recipe.model.max_model_len, cfg)
+        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
+                                                self.max_model_len)
+        self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
+        self.kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, self.dtype)
+        self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
+        self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                        recipe.cache.block_size, self.memory.num_gpu_blocks, self.num_cpu_blocks,
+                                        self.dtype, self.device, self.kv_spec,
+                                        (recipe.cache.k_scale, recipe.cache.v_scale))
+        cap_torch_memory(self.memory, self.device)
+        self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
+                                        threads=torch.get_num_threads())
+        self._scales_checked = self.cache_engine.layer_scales is None
+        self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
+                                  self.device)
+        self.sampler = Sampler(recipe.seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return make_generator(seed)
+
+    def prepare(self, out, num_gpu_blocks_touched: int) -> None:
+        """The KV blocks this step uses exist and hold what they should: pages committed up to the
+        highest block the manager has handed out, then the scheduler's swaps and copies."""
+        self.populator.ensure(num_gpu_blocks_touched)
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.copy(out.blocks_to_copy)
+
+    def execute(self, inputs: list[tuple[list[int], int, list[int], bool]],
+                row_of: list[int], rows: list[tuple]) -> SampleResult | None:
+        """inputs: per scheduled sequence (new token ids, first position, block table, samples);
+        rows: per sampled row (params, generator, history, grammar), row_of[i] the logits row of
+        rows[i] (a prompt about to fork into n samples n rows from its one row of logits)."""
+        model_inputs = [ModelInput(*i) for i in inputs]
+        try:
+            logits = self.runner.execute(model_inputs)
+        except CUDA_OOM as e:
+            raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in model_inputs), e) from None
+        if not self._scales_checked:  # fp8: every layer's scale was set by this first step's writes
+            given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
+            check_scales(self.cache_engine.layer_scales, "from the recipe" if given else "calibrated on the first step")
+            self._scales_checked = True
+        if not rows:
+            return None
+        expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]
+        return self.sampler(expanded, [SamplingRow(*r) for r in rows])
