@@ -1,17 +1,30 @@
-"""No import circles in pagedrun/: the graph of which module imports which (every import statement,
-those inside functions too, read with ast, nothing executed) has no cycle.
+"""The walls of pagedrun/: no import circle between modules, and packages stacked as layers.
+
+The graph of which module imports which (every import statement, those inside functions too, read
+with ast, nothing executed) has no cycle; collapsed to packages (a top-level module counts as a
+package of its own) it has none either, and every import runs down the LAYERS below. kv/ and
+engine/ hold no tensors: they never import torch, and the engine reaches the tensors only through
+worker/worker.py.
 
 A deferred import inside a function hides a circle from Python but not from the design: data flows
-one way, and a helper two modules need lives below both (docs/architecture.md).
+one way, and a helper two packages need lives below both (docs/design/architecture.md).
 """
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "pagedrun"
+
+# Lowest first: a package may import itself and the packages before it, never one after it.
+LAYERS = ("errors", "console", "build", "structured", "sampling_params", "outputs", "io", "config", "kv",
+          "sample", "attention", "models", "worker", "report", "engine", "llm", "bench", "cli", "__main__",
+          "__init__")
+TENSOR_FREE = ("kv", "engine")
 
 
 def module_name(path: Path) -> str:
@@ -140,10 +153,90 @@ def test_pagedrun_has_no_import_cycle():
 
 def test_graph_sees_imports_inside_functions_and_relative_ones():
     graph = import_graph()
-    # cli/generate.py imports the engine only inside run_generate (torch is slow to import).
+    # cli/generate.py imports the LLM facade and Ray only inside run_generate (torch is slow to import).
     assert "pagedrun.llm" in graph["pagedrun.cli.generate"]
     assert "pagedrun.cli.ray" in graph["pagedrun.cli.generate"]
     assert len(graph) > 50  # every module was read
+
+
+def unit_of(mod: str) -> str:
+    """The layer a module belongs to: its package under pagedrun/, or itself when top-level."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        units.setdefault(unit_of(mod), set()).update(unit_of(d) for d in deps)
+    for u, deps in units.items():
+        deps.discard(u)
+    return units
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    rank = {u: i for i, u in enumerate(LAYERS)}
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if rank[unit_of(d)] > rank[unit_of(m)])
+
+
+def test_every_package_has_a_layer():
+    assert set(unit_graph(import_graph())) == set(LAYERS)
+
+
+def test_packages_have_no_import_cycle():
+    cycles = find_cycles(unit_graph(import_graph()))
+    assert not cycles, "package circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_run_down_the_layers():
+    up = imports_up(import_graph())
+    assert not up, "imports that run up a layer (LAYERS, lowest first):\n" + "\n".join(up)
+
+
+def test_layer_checks_see_what_is_there():
+    assert imports_up({"pagedrun.kv.manager": {"pagedrun.engine.scheduler"}, "pagedrun.engine.scheduler": set()})
+    assert not imports_up({"pagedrun.engine.scheduler": {"pagedrun.kv.manager"}, "pagedrun.kv.manager": set()})
+    assert find_cycles(unit_graph({"pagedrun.kv.a": {"pagedrun.engine.b"}, "pagedrun.engine.b": {"pagedrun.kv.a"}}))
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add((node.module or "").split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("package", TENSOR_FREE)
+def test_tensor_free_packages_import_no_torch(package):
+    heavy = {"torch", "numpy", "cupy"}
+    found = sorted(f"{m} imports {', '.join(sorted(_imported_roots(p) & heavy))}" for m, p in modules().items()
+                   if unit_of(m) == package and _imported_roots(p) & heavy)
+    assert not found, "\n".join(found)
+
+
+def test_kv_imports_only_itself():
+    outside = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if unit_of(m) == "kv"
+                     for d in deps if unit_of(d) != "kv")
+    assert not outside, "\n".join(outside)
+
+
+def test_engine_reaches_tensors_only_through_the_worker():
+    below_the_wall = {"worker", "sample", "attention", "models", "build"}
+    found = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if unit_of(m) == "engine" for d in deps
+                   if unit_of(d) in below_the_wall and d != "pagedrun.worker.worker")
+    assert not found, "\n".join(found)
+
+
+def test_the_core_runs_without_torch_loaded():
+    """Executed, not read: importing the engine and the KV manager loads neither torch nor numpy."""
+    code = ("import sys; import pagedrun.engine.engine, pagedrun.engine.scheduler, pagedrun.kv.manager; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout.strip()
+    assert out == "[]"
 
 
 @pytest.mark.parametrize("graph, has_cycle", [
