@@ -188,6 +188,31 @@ def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path, monkeypatch):
     assert report["total"]["num_requests"] == N - 5  # only the missing ones went to the cluster
 
 
+@pytest.mark.slow
+def test_ray_runs_an_openai_batch_file_as_a_local_run_does(job, cluster, tmp_path):
+    """The same job module (cli/job.py) runs local and Ray jobs: an OpenAI batch file goes through
+    --ray and its output file is byte for byte the local run's (ids, created, choices, usage)."""
+    batch = tmp_path / "batch.jsonl"
+    with open(batch, "w") as f:
+        for line in job["prompts"].read_text().splitlines():
+            r = json.loads(line)
+            f.write(json.dumps({"custom_id": r["id"], "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "tiny", "prompt": r["prompt_token_ids"],
+                                         "max_tokens": MAX_TOKENS, "temperature": 0}}) + "\n")
+    outs = {}
+    for mode in ("local", "ray"):
+        out = tmp_path / f"{mode}.jsonl"
+        args = ["generate", str(batch), "-o", str(out), "-q"] + (["--ray", "--replicas", "2"] if mode == "ray" else [])
+        for s in job["sets"]:
+            args += ["--set", s]
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        outs[mode] = out.read_text()
+    lines = [json.loads(x) for x in outs["ray"].splitlines()]
+    assert [x["custom_id"] for x in lines] == job["ids"] and all(x["response"]["status_code"] == 200 for x in lines)
+    assert outs["ray"] == outs["local"]
+
+
 # ---------------------------------------------------------------- without a cluster
 
 def test_without_ray_one_line_error(job, tmp_path, monkeypatch):

@@ -1,41 +1,38 @@
-"""What a run does around the engine that a local run (cli/generate.py) and a Ray run
-(cli/ray/driver.py) share: open the output (resume), print the summary, pick the exit code.
+"""One `pagedrun generate` job, local or on Ray: recipe + prompts file -> outputs (+ report), resumable.
 
-Below both, so neither imports the other (cli/generate.py imports cli/ray/ for --ray).
+Order of work, the same for both: validate the recipe, check the prompts file exists, open the
+output's lock and read what a previous run finished, check every line of the prompts file (pass 1,
+no tokenization: a bad line stops the job before the model loads or a cluster is joined), start the
+executor (load the model, or join Ray and size the actor pool), run with a progress bar while the
+requests are tokenized as they are pulled (pass 2), rewrite the output in input order (pass 3 reads
+the order from the prompts file again), write the report, print the summary, pick the exit code.
+The prompts file is pagedrun's JSONL or an OpenAI batch file; the output follows its format.
+
+What differs is the executor: cli/generate.py's LocalRun (one engine in this process) or
+cli/ray/driver.py's RayRun (engines in Ray actors). Each has:
+    start(console, quiet)                  load or connect; print what was started
+    run(requests, on_output, on_tokens, stop)
+                                           run the pulled requests; on_output(o) writes one
+                                           (False: already written, a retried Ray batch)
+    report(wall_s, interrupted) -> dict    the report of what it measured
+    summary(console, report) -> report     what the summary table shows (Ray prints its replicas)
+    results                                the finished outputs, or their RunTally
+    close()
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from pagedrun.errors import PagedrunError
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
 EXIT_OK = 0  # every request has an output
 EXIT_SOME_FAILED = 3  # some requests are error records in the output
 EXIT_ALL_FAILED = 4  # every request is an error record
-
-
-def open_output(writer, requests, invalid, *, output: Path, quiet: bool, console: Console):
-    """Open the output of a run or a resumed one (also the Ray driver's): error records keyed by line,
-    requests by id; what the output already holds is not run again.
-    Returns (requests to run, every key in input order)."""
-    from pagedrun.io.jsonl import invalid_record
-    from pagedrun.io.writer import invalid_key, request_key
-
-    writer.open()
-    if writer.discarded and not quiet:
-        console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
-                      "their requests will be redone", highlight=False, soft_wrap=True, markup=False)
-    for bad in invalid:
-        if invalid_key(bad.line) not in writer:
-            writer.write(invalid_record(bad), invalid_key(bad.line))
-    pending = [r for r in requests if request_key(r.id) not in writer]
-    order = [k for _, k in sorted([(r.line, request_key(r.id)) for r in requests]
-                                  + [(b.line, invalid_key(b.line)) for b in invalid])]
-    if writer.resumed and not quiet:
-        console.print(f"resuming {output}: {writer.resumed} requests already done, {len(pending)} to go",
-                      highlight=False, soft_wrap=True, markup=False)
-    return pending, order
 
 
 def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
@@ -121,3 +118,150 @@ def print_summary(console: Console, results, wall: float, output: Path, report, 
         for k, v in summary_rows(report):
             t.add_row(k, v)
     console.print(t)
+
+
+def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, overwrite: bool, skip_invalid: bool,
+            plot: Path | None, quiet: bool, console: Console, stop, make_executor) -> int:
+    from pagedrun.io.fingerprint import file_sha256
+    from pagedrun.io.writer import OutputWriter
+
+    if not prompts.is_file():
+        raise PagedrunError(f"{prompts}: prompts file not found")
+    if output.resolve() == prompts.resolve():
+        raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
+    # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
+    fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
+    # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
+    writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
+                          inputs=(prompts, recipe_path), report=recipe.output.report)
+    executor = None
+    try:
+        executor = make_executor()  # cheap; Ray's says in one line when Ray is not installed
+        # Pass 1 over the prompts (io/stream.py): a bad line fails here, before the model loads.
+        with console.status("checking requests…", spinner="dots"):
+            stream = check_requests(recipe, prompts, fingerprint["prompts"], skip_invalid, writer)
+        if stream.other_models and not quiet:
+            names = ", ".join(repr(m) for m in list(stream.other_models)[:3])
+            console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
+                          f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
+                          style="yellow", highlight=False, soft_wrap=True, markup=False)
+        return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
+                    console=console, stop=stop)
+    finally:
+        if executor is not None:
+            executor.close()
+        writer.close()
+        stop.restore()
+
+
+def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
+         stop) -> int:
+    records = OutputRecords(stream.batch_job if stream.format == "openai" else None, stream.tokenizer)
+    done = writer.__contains__
+    open_stream_output(writer, stream, records, output=output, quiet=quiet, console=console)
+    if not stream.num_pending and (writer.resumed or executor.skips_empty_runs):
+        # Nothing left to run: put the file in input order, keep the report of the run that did the work.
+        writer.finalize(stream.order(done))
+        if not quiet:
+            console.print(f"nothing to do: all {stream.num_lines} requests are in {output}", highlight=False,
+                          soft_wrap=True, markup=False)
+        return job_exit_code(writer, stream.order(done), output, console)
+    # From here a first Ctrl-C or SIGTERM ends the job cleanly (every finished output kept), a second
+    # one at once: during the load or the cluster's start too.
+    stop.install()
+    executor.start(console, quiet, num_requests=stream.num_pending, plot=plot)
+
+    t0 = time.perf_counter()
+    counters = {"out_tokens": 0}
+    progress = Progress(
+        TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TextColumn("completions"),
+        TextColumn("{task.fields[tps]:>7.1f} tok/s"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        console=console, disable=quiet, transient=False,
+    )
+    in_flight: dict[str, object] = {}  # request id -> its batch line (OpenAI side), until written
+
+    def pulled():
+        for r in stream.requests(done, on_invalid):
+            in_flight[r.id] = r.batch
+            yield r
+
+    def on_invalid(bad) -> None:  # a line that failed tokenization: its error record now
+        writer.write(records.invalid(bad), stream.key_of_invalid(bad))
+        progress.advance(task, 1)
+
+    def on_output(o) -> bool:
+        from pagedrun.io.writer import request_key
+
+        if request_key(o.request_id) in writer:
+            return False  # a retried Ray batch whose first attempt did return: answered once only
+        writer.write(records.finished(o, in_flight.pop(o.request_id, None)))
+        progress.advance(task, max(1, len(o.outputs)))
+        return True
+
+    def on_tokens(n: int) -> None:
+        counters["out_tokens"] += n
+        progress.update(task, tps=counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9))
+
+    with progress:
+        task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
+        executor.run(pulled(), on_output, on_tokens, stop)
+    wall = time.perf_counter() - t0
+    # A late signal interrupts nothing: every line has its record.
+    interrupted = stop.stop and len(writer.done) < stream.num_lines
+    if interrupted:
+        writer.close()  # every finished request is in the file; the rest are redone on resume
+    else:
+        writer.finalize(stream.order(done))
+
+    report = report_file = None
+    if recipe.output.report:
+        from pagedrun.report.report import write_report
+
+        report = executor.report(wall, interrupted)
+        report_file = write_report(report, output)
+        if plot is not None:
+            executor.plot(plot)
+    if not quiet:
+        print_summary(console, executor.results, wall, output, executor.summary(console, report), len(stream.invalid))
+        if report is not None:
+            console.print(f"report: {report_file}" + (f", plot: {plot}" if plot is not None and executor.plots else ""),
+                          highlight=False)
+    if interrupted:
+        console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
+                      f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
+                      highlight=False, soft_wrap=True, markup=False)
+        return stop.exit_code
+    return job_exit_code(writer, stream.order(done), output, console)
+
+
+def check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):
+    """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
+    from pagedrun.io.openai_batch import BatchJob
+    from pagedrun.io.stream import RequestStream
+
+    tokenizer, cfg, max_model_len = request_checker(recipe)
+    # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
+    job = BatchJob(input_sha256=prompts_sha256, model=model_name(recipe), created=int(prompts.stat().st_mtime),
+                   system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
+    stream = RequestStream(prompts, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
+                           tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job)
+    stream.validate(lambda key: key in writer)
+    return stream
+
+
+def request_checker(recipe):
+    """The tokenizer and limits the requests are checked against, without loading weights (a Ray
+    driver may have no GPU; its engines live in the actors)."""
+    from pagedrun.models.config import resolve_max_model_len
+    from pagedrun.models.loader import load_tokenizer, read_config, resolve_model_dir
+
+    model_dir = resolve_model_dir(recipe.model.path)
+    cfg = read_config(model_dir, recipe.model.max_model_len)
+    return load_tokenizer(model_dir), cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
+
+
+def model_name(recipe) -> str:
+    """The model's name in a batch file's outputs: its directory's (SmolLM2-135M-Instruct by default)."""
+    from pagedrun.models.loader import resolve_model_dir
+
+    return resolve_model_dir(recipe.model.path).name

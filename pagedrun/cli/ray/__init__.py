@@ -1,9 +1,9 @@
 """`pagedrun generate --ray`: data-parallel batch inference on a Ray cluster, with Ray Data.
 
-pagedrun does not schedule work across machines itself. The driver (the CLI process) does what a
-local run does up to the model: check the recipe, open the output (resume), parse and check every
-request with the same read_requests (so errors are word for word those of a local run; only the
-tokenizer and config.json are loaded here, no weights). The validated requests not yet in the output
+pagedrun does not schedule work across machines itself. The driver (the CLI process) runs the same
+job as a local run (cli/job.py): check the recipe, open the output (resume), check every line of the
+prompts file, JSONL or an OpenAI batch file, with the same request stream (so errors are word for
+word those of a local run; only the tokenizer and config.json are loaded here, no weights). The validated requests not yet in the output
 become the rows of a Ray Dataset, and `map_batches` runs them over a fixed pool of actors, each
 holding one pagedrun engine (one GPU each when the cluster has GPUs, `model.threads` CPUs otherwise).
 Finished requests stream back to the driver, which writes them with the same OutputWriter (so an
@@ -26,10 +26,10 @@ Per-replica measurements: every batch returns the StepRecords its engine recorde
 batch and the replica's MemoryPlan; the driver rebuilds each replica's report with report.build_report
 (the same function as a local run) and sums the counters into a total.
 
-Modules: driver.py (run_distributed: requests, the Ray Data passes, writing), cluster.py (joining
+Modules: driver.py (RayRun, the executor of a job (cli/job.py): the Ray Data passes), cluster.py (joining
 Ray, sizing the actor pool), replica.py (EngineReplica, the actor), merge.py (the merged report),
 replica_table.py (the replicas' numbers on the terminal, within 80 columns).
 """
-from pagedrun.cli.ray.driver import run_distributed
+from pagedrun.cli.ray.driver import RayRun
 
-__all__ = ["run_distributed"]
+__all__ = ["RayRun"]
