@@ -12,7 +12,7 @@
 # Steps (each under its own time limit, all under --budget, default 900 s = 15 min):
 #   env        device, driver, torch / CuPy / NVRTC versions, shared-memory and L2 sizes
 #   tests      pytest tests/gpu (kernels vs float64 and vs the emulator) + the nvcc/NVRTC gates
-#              + tests/test_gpu_host.py
+#              + tests/attention/cuda/test_gpu_host.py
 #   kernels    caches past 2^31 elements, a non-default torch stream (both prefill modes, MQA),
 #              v1 at 48 KiB dynamic + static shared memory, fp8 / int8 KV-cache kernels (issue 18)
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
@@ -108,8 +108,8 @@ fi
 # Side by side: correctness only.
 if wanted tests; then
   XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-  run_bg tests 330 "passed|failed|error" python3 -m pytest -q -ra "${XDIST[@]}" tests/gpu tests/test_kernel_compile.py \
-    tests/test_gpu_host.py
+  run_bg tests 330 "passed|failed|error" python3 -m pytest -q -ra "${XDIST[@]}" tests/gpu tests/attention/cuda/test_kernel_compile.py \
+    tests/attention/cuda/test_gpu_host.py
 fi
 if wanted kernels; then
   run_bg kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized

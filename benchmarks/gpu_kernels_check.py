@@ -133,7 +133,7 @@ def smem():
 
 
 def quantized():
-    """Issue 18's kernels on the GPU, the cases tests/test_kernels_quantized.py runs on the emulator:
+    """Issue 18's kernels on the GPU, the cases tests/attention/cuda/test_kernels_quantized.py runs on the emulator:
     v1 and v2 against the dequantized (exact up to fp32) and unquantized (bounded) float64 references,
     reshape_and_cache bit-equal to the float32 reference quantizer (so to the emulator, which is too:
     this is where sm_89+'s hardware fp8 conversion meets the software one), copy_blocks with scales."""

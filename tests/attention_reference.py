@@ -1,5 +1,5 @@
-"""The float64 attention oracle the CPU backends are checked against (tests/test_torch_backend.py,
-tests/test_cpu_attention.py)."""
+"""The float64 attention oracle the CPU backends are checked against (tests/attention/test_torch_backend.py,
+tests/attention/test_cpu_attention.py)."""
 from __future__ import annotations
 
 import torch

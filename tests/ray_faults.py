@@ -1,4 +1,4 @@
-"""Faults injected into Ray replicas by tests/test_ray.py: replica subclasses the driver is pointed at
+"""Faults injected into Ray replicas by tests/cli/test_ray.py: replica subclasses the driver is pointed at
 (monkeypatching pagedrun.cli.ray.driver.EngineReplica), so pagedrun itself carries no test hook.
 
 This module must be importable by the Ray workers (the cluster fixture puts tests/ on PYTHONPATH):

@@ -18,7 +18,7 @@
 //
 // Sums are fp32 over pairs of exact bf16 products, as on the vector path, but in the tile unit's
 // own order (and with bf16 denormals read as zero), so bits may differ from the vector path's;
-// tests/test_model_ops.py holds both to the same float64 bound.
+// tests/models/test_model_ops.py holds both to the same float64 bound.
 #pragma once
 
 // (Not in the 8-wide test build, PR_GEMM_VEC8, whose panels are 16 columns.)
@@ -37,7 +37,7 @@ static_assert(kPanel == 32, "AMX B tiles are 16 columns, two per 32-column panel
 // from memory, and there the tiles stream them faster (30 layers of the default model's shapes and
 // its LM head, cold: 1 row 87.7 -> 80.2 ms, 2 rows 105.7 -> 80.5; one sequence decoding 62.9 ->
 // 70.0 tok/s, two 101.4 -> 135.6). One path at every row count also makes a row's sums independent
-// of the rows beside it (the two paths can differ in a sum's last bit: tests/test_model_ops.py).
+// of the rows beside it (the two paths can differ in a sum's last bit: tests/models/test_model_ops.py).
 constexpr int64_t kAmxMinRows = 1;
 
 // Weights are prefetched this far ahead of the tile loads (a thread's panels are contiguous, so

@@ -244,7 +244,7 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
 }
 
 // Which vector path bf16 GEMMs take where the build has vdpbf16ps. Both add each pair's products
-// in the same order, so the same bits (tests/test_model_ops.py), and the choice is speed alone,
+// in the same order, so the same bits (tests/models/test_model_ops.py), and the choice is speed alone,
 // which depends on the core: on a Sapphire Rapids-class Xeon with its tiles off, widening took
 // 0.71-0.79x vdpbf16ps's time at 16-2,048 rows (docs/cpu-model-ops.md, thirteenth round), while
 // on a Zen 4 EPYC it took 1.6-2.3x at 16-1,024 rows (fourteenth round). So it is

@@ -4,7 +4,7 @@
 // kernels (some 120 us per layer: argument checks, ctypes conversions, tensor views, empty
 // outputs), 8% of a bench run. This file runs the same kernels in the same order with the same
 // arguments, from C: it computes nothing of its own, so its results are the Python loop's bit for
-// bit (tests/test_layer_runner.py). The kernels come as function pointers from the two libraries
+// bit (tests/models/test_layer_runner.py). The kernels come as function pointers from the two libraries
 // that export them (model_ops_cpu.cpp, paged_attention_cpu.cpp), picked for the dtype by
 // pagedrun/models/layer_runner.py, which also decides when this path applies.
 //

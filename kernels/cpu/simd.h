@@ -15,7 +15,7 @@ namespace {
 // two vectors is 2 * MR accumulators + 2 weight vectors + 1 broadcast: MR = 6 fills the 16 AVX
 // registers (the BLIS microkernel's shape), MR = 12 fits the 32 AVX-512 registers with 5 to spare.
 // Each lane accumulates one output column over k in order, so the result is bit-identical whatever
-// the width (tests/test_model_ops.py builds both and compares them).
+// the width (tests/models/test_model_ops.py builds both and compares them).
 #if defined(__AVX512F__) && !defined(PR_GEMM_VEC8)
 constexpr int kVec = 16;
 constexpr int kTileM = 12;

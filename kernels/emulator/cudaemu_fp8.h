@@ -6,7 +6,7 @@
 //   - from fp8 to half: exact; every NaN code becomes the canonical half NaN 0x7fff.
 // Written from the formats' definitions (OCP FP8: e4m3 bias 7 with only S.1111.111 as NaN, e5m2
 // bias 15 IEEE-like) and checked code by code against torch and, where nvcc exists, against the
-// CUDA header itself (tests/test_cudaemu_fp8.py).
+// CUDA header itself (tests/build/test_cudaemu_fp8.py).
 #ifndef CUDAEMU_FP8_H
 #define CUDAEMU_FP8_H
 #include <cmath>

@@ -11,7 +11,7 @@ float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend 
 reads the cache unquantized, and no forward hook on a decoder layer (the layers are not called one
 by one here); Qwen3's per-head q/k norms are the kernel the loop calls too (ops.rms_norm on a
 [T, heads, hd] view). Everything else, and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which
-stays the reference (tests/test_layer_runner.py compares the two).
+stays the reference (tests/models/test_layer_runner.py compares the two).
 """
 from __future__ import annotations
 

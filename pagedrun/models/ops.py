@@ -4,8 +4,8 @@ Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.
 through ctypes) when its inputs are float32 or bfloat16 CPU tensors it supports, and plain torch
 otherwise (GPU tensors, fp16, odd strides, no compiler). bf16 ops compute in fp32 and round to bf16
 where the torch op they replace would. Both paths follow transformers' op order; they differ
-only in reduction order, so greedy outputs match HF either way (tests/test_model_ops.py,
-tests/test_engine.py).
+only in reduction order, so greedy outputs match HF either way (tests/models/test_model_ops.py,
+tests/engine/test_engine.py).
 
 Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill
 step but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150

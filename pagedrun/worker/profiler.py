@@ -24,7 +24,7 @@ import torch
 # the next one starts (only h and the residual cross a layer), so the peak of the first layers is
 # the peak of all of them; two, not one, so the pass also sees a layer that starts from the
 # allocator state another layer left. The default model's 30-layer pass took 3.1 s of a 5.7 s
-# start-up; the activation peaks of the two passes are compared in tests/test_memory.py.
+# start-up; the activation peaks of the two passes are compared in tests/worker/test_memory.py.
 PROFILE_LAYERS = 2
 
 # What the profile pass samples with: the sampler's most expensive path (sort for top-k/top-p,

@@ -1,4 +1,4 @@
-"""The kernels through CuPy on a real GPU: the same cases as tests/test_kernels.py, each output checked
+"""The kernels through CuPy on a real GPU: the same cases as tests/attention/cuda/test_kernels.py, each output checked
 against the float64 reference AND against the CPU emulator's output for the same inputs.
 
 Skipped without a GPU (cupy.is_available() false). Backend-level checks need a CUDA build of torch

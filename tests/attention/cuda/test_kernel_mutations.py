@@ -1,0 +1,217 @@
+"""Mutation matrix: plant one bug per copy of kernels/cuda/paged_attention.cu and show the checks catch it.
+
+Each mutation is a literal string replacement on the real source (asserted to apply exactly as
+often as stated), so this file documents exactly what changed. All mutants are compiled into ONE
+emulator module, each copy wrapped in its own namespace (one g++ run instead of one per mutant),
+next to an unmutated control copy that must pass the same checks.
+
+A mutant counts as caught when, on either schedule we run it under, the output is wrong
+(non-finite or beyond the dtype's tolerance vs the float64 reference) or the launch raises an
+emulator error (EmuDeadlockError for divergent collectives). `caught_by` records, per schedule,
+what each one is expected to trip, so a weakened check shows up as a failing test.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import test_kernels as T  # noqa: E402  (helpers: make_case, run_case, reference, tolerances)
+
+from pagedrun.attention.cuda import kernels as K  # noqa: E402
+
+# Thread groups of 2 lanes (the group shuffle is live); 4 query heads over 2 KV heads launch the
+# grouped kernel (2 query heads per block), whose loops over the group the mutants then run through.
+VARIANT = K.KernelVariant("float16", 64, 16, "auto", 2)
+V1_SEQ_LENS = [1, 16, 35, 47, 20]  # 1, an exact block multiple, partial last blocks
+V2_SEQ_LENS = [1, 513, 1200, 700]  # several 512-token partitions
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    what: str
+    old: str
+    new: str
+    count: int  # occurrences of `old` in the source (all are replaced)
+    version: str  # "v1" or "v2": the launch that exercises it
+    caught_by: tuple[tuple[str, str], ...]  # (schedule, "wrong" | "deadlock" | "missed")
+
+
+MUTATIONS = [
+    Mutation(
+        "missing_barrier_q",
+        "no __syncthreads between writing q to shared memory and the QK loop reading it",
+        "for (int e = 0; e < Q_VEC_SIZE; e++) q_smem[i * Q_VEC_SIZE + e] = to_float(qv.v[e]);\n  }\n  __syncthreads();\n",
+        "for (int e = 0; e < Q_VEC_SIZE; e++) q_smem[i * Q_VEC_SIZE + e] = to_float(qv.v[e]);\n  }\n",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "missing_barrier_before_pv",
+        "no __syncthreads between normalising the logits and the PV loop reading other threads' logits",
+        "logits[g * logits_stride + i] *= inv_sum;\n  }\n  __syncthreads();\n",
+        "logits[g * logits_stride + i] *= inv_sum;\n  }\n",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "missing_barrier_smem_reuse",
+        "no __syncthreads before the output reduction overwrites the logits other warps still read",
+        "the logits are dead once every warp is past PV.\n  __syncthreads();\n",
+        "the logits are dead once every warp is past PV.\n",
+        1, "v1", (("round_robin", "missed"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "missing_barrier_out_smem",
+        "no __syncthreads between the warps' out_smem writes and the cross-warp sum",
+        "  __syncthreads();\n  for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {",
+        "  for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "block_table_ignored",
+        "wrong block-table index: the logical block number used as the physical one",
+        "const long long physical_block_number = block_table[block_idx];",
+        "const long long physical_block_number = block_idx;",
+        2, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "block_table_partition_relative",
+        "wrong block-table index: v2 indexes the table relative to its partition's first block",
+        "const long long physical_block_number = block_table[block_idx];",
+        "const long long physical_block_number = block_table[block_idx - start_block_idx];",
+        2, "v2", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "gqa_head_mapping",
+        "query head -> kv head by modulo instead of division",
+        "const int kv_head_idx = head0 / num_queries_per_kv;",
+        "const int kv_head_idx = head0 % num_kv_heads;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "last_block_dropped",
+        "off-by-one in the last block: block count rounded down, the partial last block is skipped",
+        "const int num_seq_blocks = PR_DIV_UP(seq_len, BLOCK_SIZE);",
+        "const int num_seq_blocks = seq_len / BLOCK_SIZE;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "v_read_past_end",
+        "off-by-one in the last block: PV reads the value row one past seq_len (0 * NaN)",
+        "const bool valid = t < BLOCK_SIZE && token_idx < seq_len;",
+        "const bool valid = t < BLOCK_SIZE && token_idx <= seq_len;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "divergent_shuffle",
+        "divergent shuffle: only lanes 0-15 take part in the exp-sum warp reduction",
+        "      v[n] += __shfl_xor_sync(PR_FULL_MASK, v[n], mask);\n    }\n    if (lane == 0)",
+        "      if (lane < 16) v[n] += __shfl_xor_sync(PR_FULL_MASK, v[n], mask);\n    }\n    if (lane == 0)",
+        1, "v1", (("round_robin", "deadlock"), ("greedy", "deadlock")),
+    ),
+    Mutation(
+        "v2_no_rescale",
+        "v2 reduce sums partition exp-sums without rescaling by exp(m_i - M)",
+        "const float w = exp_sums_ptr[i] * pagedrun::fast_exp(shared_max_logits[i] - max_logit);",
+        "const float w = exp_sums_ptr[i];",
+        1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+]
+CONTROL = Mutation("control", "unmutated source", "", "", 0, "v1", ())
+
+
+def mutated_source(m: Mutation) -> str:
+    src = K.load_source(K.ATTENTION_SOURCE)
+    if m is CONTROL:
+        return src
+    found = src.count(m.old)
+    assert found == m.count, f"{m.id}: expected {m.count} occurrence(s) of the planted text, found {found}"
+    out = src.replace(m.old, m.new)
+    assert out != src
+    return out
+
+
+def combined_source(mutations: list[Mutation]) -> str:
+    """Every mutant in its own namespace; the headers once at the top."""
+    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"]
+    for m in mutations:
+        body = re.sub(r"^#include <[^>]+>\n", "", mutated_source(m), flags=re.M)
+        parts.append(f"namespace {m.id} {{\n{body}\n}}  // namespace {m.id}\n")
+    return "".join(parts)
+
+
+def names_for(m: Mutation, version: str | None = None) -> list[str]:
+    version = version or m.version
+    names = [VARIANT.attention_name(version, VARIANT.group)] + ([VARIANT.reduce_name] if version == "v2" else [])
+    # the grouped names spell pagedrun::KvCacheDtype, which lives in each mutant's namespace here
+    return [f"{m.id}::{n}".replace("pagedrun::", f"{m.id}::pagedrun::") for n in names]
+
+
+@functools.lru_cache(maxsize=None)
+def mutant_module(schedule: str):
+    from pagedrun.build.cudaemu import EmuModule
+
+    everything = [CONTROL, *MUTATIONS]
+    names = [n for m in everything for n in names_for(m)]
+    control_v2 = names_for(CONTROL, "v2")
+    return EmuModule(
+        combined_source(everything), name_expressions=names + control_v2, schedule=schedule,
+        filename="kernels/cuda/paged_attention.cu (mutants)",
+    )
+
+
+class _Prefixed:
+    """Presents the namespaced kernels under their plain names to PagedKernels."""
+
+    def __init__(self, module, prefix: str):
+        self.module, self.prefix = module, prefix
+
+    def get_function(self, name: str):
+        return self.module.get_function(f"{self.prefix}::{name}".replace("pagedrun::", f"{self.prefix}::pagedrun::"))
+
+
+def outcome(m: Mutation, schedule: str, version: str) -> str:
+    """'ok' | 'wrong' | 'deadlock' | 'error' for mutant m (or the control) under schedule."""
+    from pagedrun.build.cudaemu import EmuDeadlockError, EmuError
+
+    ker = K.PagedKernels(VARIANT, _Prefixed(mutant_module(schedule), m.id), np)
+    case = T.make_case(VARIANT, V1_SEQ_LENS if version == "v1" else V2_SEQ_LENS, 4, 2, seed=21)
+    try:
+        out, _ = T.run_case(ker, case, version)
+    except EmuDeadlockError:
+        return "deadlock"
+    except EmuError:
+        return "error"
+    ok = np.isfinite(out).all() and T.rel_err(out, case.reference()) <= T.TOL[VARIANT.dtype]
+    return "ok" if ok else "wrong"
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    T.emulator_or_skip()
+    mutant_module("round_robin")  # the one build (the greedy module is the same library, cached)
+
+
+@pytest.mark.parametrize("schedule", ["round_robin", "greedy"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.slow
+def test_control_passes(emulator, schedule, version):
+    assert outcome(CONTROL, schedule, version) == "ok"
+
+
+@pytest.mark.parametrize("m", MUTATIONS, ids=[m.id for m in MUTATIONS])
+def test_mutant_is_caught(emulator, m):
+    seen = {schedule: outcome(m, schedule, m.version) for schedule, _ in m.caught_by}
+    expected = {schedule: kind for schedule, kind in m.caught_by}
+    assert seen == {s: ("ok" if k == "missed" else k) for s, k in expected.items()}, (
+        f"{m.id} ({m.what}): got {seen}, documented {expected}"
+    )
+    assert any(k != "ok" for k in seen.values()), f"{m.id} escaped every schedule"
+
+
+def test_every_mutation_applies_once_per_stated_site():
+    for m in MUTATIONS:
+        mutated_source(m)  # asserts the count
+    assert len({m.id for m in MUTATIONS}) == len(MUTATIONS)

@@ -1,0 +1,306 @@
+"""OpenAI Batch API files in, the Batch API's output lines out: every body checked with the `openai`
+package's own types, every line with a strict model of the documented shape; per-line errors;
+resume; the example under examples/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from openai.types import Completion  # the dev extra's: a real client's types, not our reading of the docs
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict
+from tiny_models import add_word_tokenizer, make_tiny_model
+from typer.testing import CliRunner
+
+from pagedrun.cli.app import app
+from pagedrun.errors import PagedrunError
+from pagedrun.io.openai_batch import BatchJob
+from pagedrun.io.requests import read_requests
+from pagedrun.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = ["the", "capital", "of", "France", "is", "Paris", "be", "brief", "hello"]
+SETS = ["cache.num_blocks=128", "model.max_model_len=128", "scheduler.max_num_seqs=4"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class LineError(_Strict):
+    code: str
+    message: str
+
+
+class LineResponse(_Strict):
+    status_code: int
+    request_id: str
+    body: dict
+
+
+class OutputLine(_Strict):
+    """One line of a Batch API output file, as OpenAI documents it."""
+    id: str
+    custom_id: str | None
+    response: LineResponse | None
+    error: LineError | None
+
+
+def check_line(raw: dict) -> OutputLine:
+    line = OutputLine.model_validate(raw)
+    assert line.id.startswith("batch_req_")
+    assert (line.response is None) != (line.error is None)
+    if line.error is not None:
+        assert "\n" not in line.error.message
+        return line
+    assert line.response.status_code == 200
+    body = line.response.body
+    cls = ChatCompletion if body["object"] == "chat.completion" else Completion
+    parsed = cls.model_validate(body)
+    assert not parsed.model_extra and all(not c.model_extra for c in parsed.choices)  # nothing unknown
+    assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+    return line
+
+
+def batch_line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def chat(custom_id: str, text: str = "the capital of France is", **body) -> dict:
+    return batch_line(custom_id, messages=[{"role": "user", "content": text}], **body)
+
+
+def completion(custom_id: str, prompt="the capital of France is", **body) -> dict:
+    return batch_line(custom_id, "/v1/completions", prompt=prompt, **body)
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_bytes().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("batch") / "model")
+    return add_word_tokenizer(path, WORDS)
+
+
+def invoke(model: Path, prompts: Path, out: Path, *extra: str):
+    args = ["generate", str(prompts), "-o", str(out), "-q", "--set", f"model.path={model}", *extra]
+    for s in SETS:
+        args += ["--set", s]
+    return CliRunner().invoke(app, args)
+
+
+# ---------------------------------------------------------------- per-line checks (no model)
+
+def read(path: Path, **kw):
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    tok = kw.pop("tokenizer", None)
+    return read_requests(path, tok, SamplingParams(), vocab_size=640, max_model_len=128, batch_job=job, **kw)
+
+
+@pytest.mark.parametrize("line, message", [
+    (batch_line("a", "/v1/embeddings", input="x"),
+     'url: must be "/v1/chat/completions" or "/v1/completions", got "/v1/embeddings"'),
+    (chat("a", tools=[{"type": "function"}]), "body.tools: not supported by pagedrun"),
+    (chat("a", stream=True), "body.stream: not supported by pagedrun"),
+    (completion("a", echo=True), "body.echo: not supported by pagedrun"),
+    (chat("a", frobnicate=1), "body.frobnicate: unknown field"),
+    (chat("a", temperature=-1), "body.temperature: must be a number >= 0 (0 = greedy), got -1"),
+    (chat("a", max_completion_tokens=0), "body.max_completion_tokens: must be an integer >= 1, got 0"),
+    (chat("a", top_logprobs=3), "body.top_logprobs: needs logprobs: true"),
+    (completion("a", messages=[]), "body.messages: not a field of /v1/completions"),
+    (completion("a", prompt=["x", "y"]), "body.prompt: must be a string or a list of token ids (one prompt "
+                                         'per line), got ["x", "y"]'),
+    ({**chat("a"), "method": "GET"}, 'method: must be "POST", got "GET"'),
+    ({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}},
+     'custom_id: must be a non-empty string, got ""'),
+    (batch_line("a", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     'body.messages[0].content[0]: only {"type": "text", "text": str} parts are supported'),
+    (batch_line("a", messages=[{"role": "tool", "content": "x"}]),
+     "body.messages[0].role: must be one of system, user, assistant, developer, got \"tool\""),
+    (chat("a", response_format={"type": "json_object"}),
+     "body.response_format: needs the model's tokenizer (grammars are matched on text); this model has none"),
+])
+def test_a_bad_line_is_one_error_naming_file_line_and_field(tmp_path, line, message):
+    p = write(tmp_path / "batch.jsonl", [completion("ok", prompt=[5, 6]), line])
+    with pytest.raises(PagedrunError) as e:
+        read(p)
+    assert str(e.value) == f"batch.jsonl:2: {message}"
+    requests, invalid = read(p, skip_invalid=True)  # the other lines still run
+    assert [r.batch.custom_id for r in requests] == ["ok"] and [b.line for b in invalid] == [2]
+    assert invalid[0].custom_id == (line["custom_id"] or None) and invalid[0].code == "invalid_request"
+
+
+def test_duplicate_custom_id_and_mixed_formats_are_per_line_errors(tmp_path):
+    p = write(tmp_path / "batch.jsonl", [completion("a", prompt=[5]), completion("a", prompt=[6]),
+                                         {"prompt_token_ids": [7]}, completion("b", prompt=[8])])
+    requests, invalid = read(p, skip_invalid=True)
+    assert [r.batch.custom_id for r in requests] == ["a", "b"]
+    assert [b.error for b in invalid] == [
+        "batch.jsonl:2: custom_id: duplicate custom_id 'a' (first used on line 1)",
+        "batch.jsonl:3: a pagedrun JSONL line in an OpenAI batch file (line 1 decided the format; one format "
+        "per file)"]
+    assert len({b.id for b in invalid} | {r.id for r in requests}) == 4  # every line its own output id
+    # A pagedrun file is decided by its first line just the same.
+    q = write(tmp_path / "p.jsonl", [{"prompt_token_ids": [5]}, completion("a", prompt=[6])])
+    _, invalid = read(q, skip_invalid=True)
+    assert invalid[0].error == ("p.jsonl:2: an OpenAI batch line in a pagedrun JSONL file (line 1 decided the "
+                                "format; one format per file)")
+
+
+def test_body_fields_map_onto_sampling_params(tmp_path):
+    p = write(tmp_path / "batch.jsonl", [
+        chat("c", max_tokens=5, max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, seed=3, stop="x",
+             logprobs=True, top_logprobs=2, user="u", metadata={"k": "v"}, store=False, model="gpt-4o-mini"),
+        completion("d", prompt=[5, 6], max_tokens=4, logprobs=3, stop=["a", "b"], presence_penalty=0.5,
+                   frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"7": -100, "9": 2.5}),
+    ])
+    (c, d), invalid = read(p, tokenizer=_tokenizer(tmp_path))
+    assert not invalid
+    s = c.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.n, s.seed, s.stop, s.logprobs) == (7, 0.5, 0.9, 2, 3, ["x"], 2)
+    assert c.batch.logprobs and c.batch.top_logprobs == 2 and c.messages == [{"role": "user",
+                                                                              "content": "the capital of France is"}]
+    assert d.prompt_token_ids == [5, 6] and (d.sampling.max_tokens, d.sampling.logprobs) == (4, 3)
+    assert (d.sampling.presence_penalty, d.sampling.frequency_penalty, d.sampling.repetition_penalty,
+            d.sampling.logit_bias) == (0.5, -1.0, 1.2, {7: -100.0, 9: 2.5})
+
+
+def _tokenizer(tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(add_word_tokenizer(tmp_path / "tok", WORDS)))
+
+
+# ---------------------------------------------------------------- whole runs
+
+def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
+    lines = [
+        chat("chat-greedy", max_completion_tokens=6, logprobs=True, top_logprobs=2, model="gpt-4o-mini"),
+        completion("completion-n2", max_tokens=5, logprobs=2, n=2, temperature=0.8, seed=7),
+        batch_line("bad-url", "/v1/embeddings", input="x"),
+        chat("chat-greedy", max_completion_tokens=3),  # duplicate custom_id
+        chat("tools", tools=[{"type": "function"}]),
+        completion("tokens", prompt=[5, 6, 7], max_tokens=4),
+        completion("too-long", prompt=" ".join(["the"] * 200), max_tokens=4),  # found when tokenized
+        "{not json",
+    ]
+    prompts = write(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    result = invoke(model, prompts, out, "--skip-invalid")
+    assert result.exit_code == 3, result.output  # some lines failed
+    got = records(out)
+    parsed = [check_line(r) for r in got]
+    assert [r["custom_id"] for r in got] == ["chat-greedy", "completion-n2", "bad-url", "chat-greedy", "tools",
+                                             "tokens", "too-long", None]
+    assert [p.error is None for p in parsed] == [True, True, False, False, False, True, False, False]
+    assert len({p.id for p in parsed}) == len(lines)
+    assert got[4]["error"]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
+    assert got[6]["error"]["code"] == "context_length_exceeded"
+    assert got[6]["error"]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
+    assert got[7]["error"]["message"].startswith("batch.jsonl:8: invalid JSON")
+
+    chat_body = ChatCompletion.model_validate(got[0]["response"]["body"])
+    assert chat_body.object == "chat.completion" and chat_body.id.startswith("chatcmpl-")
+    assert chat_body.model == "model"  # the recipe's model ran, whatever the body asked for
+    content = chat_body.choices[0].logprobs.content
+    assert len(content) == chat_body.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
+    assert content[0].logprob == max(x.logprob for x in content[0].top_logprobs)  # greedy: the top token
+
+    comp = Completion.model_validate(got[1]["response"]["body"])
+    assert comp.object == "text_completion" and [c.index for c in comp.choices] == [0, 1]
+    for c in comp.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert all(len(top) <= 2 for top in lp.top_logprobs)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    # The same prompt as a pagedrun line gives the same greedy tokens: one engine, two formats.
+    plain = write(tmp_path / "plain.jsonl", [{"id": "x", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}])
+    assert invoke(model, plain, tmp_path / "plain.out.jsonl").exit_code == 0
+    assert records(tmp_path / "plain.out.jsonl")[0]["text"] == got[5]["response"]["body"]["choices"][0]["text"]
+
+    # Ids and `created` derive from the job: a fresh run writes the same bytes.
+    before = out.read_bytes()
+    again = invoke(model, prompts, out, "--skip-invalid", "--overwrite")
+    assert again.exit_code == 3 and out.read_bytes() == before
+
+
+def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    paris = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("Paris")
+    prompts = write(tmp_path / "batch.jsonl", [
+        chat("biased", max_completion_tokens=3, logit_bias={str(paris): 100}),
+        completion("penalised", max_tokens=6, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+        completion("plain", max_tokens=6),
+        chat("bad", logit_bias={"5": 101}),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    got = records(out)
+    for r in got:
+        check_line(r)
+    assert got[0]["response"]["body"]["choices"][0]["message"]["content"] == "Paris Paris Paris"
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
+    assert got[3]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
+                                          "[-100, 100]; 5 -> 101, got {\"5\": 101}")
+
+
+def test_without_skip_invalid_a_bad_line_stops_before_the_model_loads(model, tmp_path, monkeypatch):
+    from pagedrun import llm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm.LLM, "__init__", no_load)
+    prompts = write(tmp_path / "batch.jsonl", [chat("a"), chat("b", stream=True)])
+    out = tmp_path / "out.jsonl"
+    result = invoke(model, prompts, out)
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert "batch.jsonl:2: body.stream: not supported by pagedrun" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+
+
+def test_an_interrupted_batch_run_resumes_to_the_same_bytes(model, tmp_path):
+    prompts = write(tmp_path / "batch.jsonl", [completion(f"r{i}", prompt=[5 + i, 6, 7], max_tokens=3)
+                                               if i % 2 else chat(f"r{i}", max_completion_tokens=3)
+                                               for i in range(10)] + [batch_line("bad", "/v1/x")])
+    full = tmp_path / "full.jsonl"
+    assert invoke(model, prompts, full, "--skip-invalid").exit_code == 3
+    expected = full.read_bytes()
+    # As a killed run leaves it: some lines out of order, then a torn one.
+    out = tmp_path / "out.jsonl"
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    kept = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join([kept[7], kept[2], kept[10]]) + kept[4][:40])
+    result = invoke(model, prompts, out, "--skip-invalid")
+    assert result.exit_code == 3, result.output
+    assert out.read_bytes() == expected
+
+
+@pytest.mark.slow
+
+
+def test_the_example_batch_file_runs(tmp_path):
+    example = ROOT / "examples" / "openai_batch.jsonl"
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(example), "-o", str(out), "-q", "--set", "cache.num_blocks=256"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    got = [check_line(r) for r in records(out)]
+    inputs = [json.loads(x) for x in example.read_text().splitlines() if x.strip()]
+    assert [g.custom_id for g in got] == [x["custom_id"] for x in inputs]
+    assert all(g.error is None and g.response.body["choices"] for g in got)
