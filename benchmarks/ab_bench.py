@@ -7,7 +7,7 @@ e.g. on a GPU machine, the host work of 5ed32e4 against the code before it:
     python3 benchmarks/ab_bench.py 5ed32e4~1 --rounds 3 -- --model /tmp/pagedrun-random-smollm2 --dtype bfloat16
 
 Timings from different machines, or from one machine minutes apart, do not compare on the lent
-hosts (one code ran at 649-897 out tok/s on one H100 machine: docs/gpu.md), so each round runs
+hosts (one code ran at 649-897 out tok/s on one H100 machine: docs/guide/gpu.md), so each round runs
 `pagedrun bench --engines pagedrun` once at REF (its pagedrun/ and kernels/, exported from git
 into a temporary folder) and once on this tree, the order swapped every round so that a drift
 of the host weighs on both. Prints each run's out tok/s, the median ratio this tree / REF, and

@@ -1,4 +1,4 @@
-"""Turn `pagedrun bench --json` files into the Markdown tables of docs/benchmarks.md.
+"""Turn `pagedrun bench --json` files into the Markdown tables of docs/results.md.
 
     python benchmarks/bench_table.py results/standard.json results/shared-prefix.json
 """

@@ -1,4 +1,4 @@
-"""What a quantized KV cache costs in output quality (issue 18, docs/memory.md): the default model,
+"""What a quantized KV cache costs in output quality (issue 18, docs/design/memory.md): the default model,
 64 chat prompts, greedy, each quantized KV dtype against the model's own dtype in the cache.
 
 Per dtype: the share of tokens generated before the first divergence from the full-precision run,

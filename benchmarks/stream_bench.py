@@ -1,5 +1,5 @@
 """Streaming a large batch file: time to the first output line and peak RSS of `pagedrun generate`
-at two file sizes (docs/benchmarks.md, "Streaming large inputs"). Not a test: wall times depend on
+at two file sizes (docs/results.md, "Streaming large inputs"). Not a test: wall times depend on
 the machine and whatever else runs on it.
 
     python benchmarks/stream_bench.py --sizes 10000 200000 [--max-tokens 4] [--format openai|jsonl]

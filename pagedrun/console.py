@@ -12,7 +12,7 @@ outputs file is finished as usual, and the exit code is the job's.
 Results (the bench comparison, the memory profile) go to stdout, so they can be piped and saved;
 progress, spinners and errors stay on stderr. Every table fits 80 columns without cutting a cell:
 numbers never wrap (a cut number reads as another number), headers are short or on two lines, and
-a table that would need more columns is stacked into two (docs/architecture.md, house rules).
+a table that would need more columns is stacked into two (docs/design/architecture.md, house rules).
 """
 from __future__ import annotations
 

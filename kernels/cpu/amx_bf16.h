@@ -5,7 +5,7 @@
 //
 // Why: a vdpbf16ps core does 32 bf16 products per instruction; one TDPBF16PS does 16 x 16 x 32.
 // At a decode step's 8-64 rows the vector GEMM stops near 200 GFLOP/s on a 2-core Sapphire Rapids,
-// the tiles reach several times that (docs/benchmarks.md).
+// the tiles reach several times that (docs/results.md).
 //
 // No new weight layout: the packed bf16 panels ([N / 32][K / 2][32] words, a word = the two bf16 of
 // one column at k = 2p, 2p + 1) already are AMX's "VNNI" B layout. Rows p0..p0+15 of a panel, 16

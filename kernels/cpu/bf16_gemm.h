@@ -56,7 +56,7 @@ inline void store_bf16_panel_row(uint16_t* o, vgf a0, vgf a1, const uint16_t* bi
 // into L2. It had no software prefetch: its few rows leave the FMAs idle while the weights stream,
 // and the hardware's prefetcher alone did not keep up. 30 cold layers, new / old time: vdpbf16ps
 // (AVX-512 with bf16, no AMX) 0.85 at 1 row, 0.71-0.75 at 2-8, 0.90 at 64; the widening path
-// (AVX2) 0.60-0.80 at 1-11 rows (docs/cpu-model-ops.md, eleventh round).
+// (AVX2) 0.60-0.80 at 1-11 rows (docs/design/cpu-kernels.md, eleventh round).
 constexpr int64_t kBf16TilePrefetchPairs = 64;
 
 // x: bf16 rows (the vdpbf16ps path broadcasts a pair's 32 bits), or, on the widening path, the
@@ -110,7 +110,7 @@ inline void bf16_tile_rows(int mr, const XRow* x, int64_t ldx, const int32_t* pa
 // products are added (odd element of a pair, then even), and runs the fp32 tile over them: the
 // same FMAs in the same order, so the same bits, without widening every weight pair again for
 // each tile of rows. The per-tile widening took a fifth of the FMA ports, which left bf16 11-12%
-// behind fp32 on AVX2 (docs/cpu-model-ops.md, sixth round); decode steps of a few rows are
+// behind fp32 on AVX2 (docs/design/cpu-kernels.md, sixth round); decode steps of a few rows are
 // bound by the weights' bytes, where the per-tile widening costs nothing.
 constexpr int64_t kWidenPanelRows = 2 * kTileM;
 
@@ -145,7 +145,7 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
     }
     // Equal tiles: AVX2's 6-row tiles over 64 rows left a 4-row one, over 110 a 2-row one (4
     // accumulator chains: half the FMA rate). With chunks of whole tiles (linear_packed_bf16), 3-4%
-    // less time at 20-64 rows (AVX2-built; docs/cpu-model-ops.md, thirteenth round).
+    // less time at 20-64 rows (AVX2-built; docs/design/cpu-kernels.md, thirteenth round).
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t m = rows * t / tiles;
       const int mr = int(rows * (t + 1) / tiles - m);
@@ -246,7 +246,7 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
 // Which vector path bf16 GEMMs take where the build has vdpbf16ps. Both add each pair's products
 // in the same order, so the same bits (tests/models/test_model_ops.py), and the choice is speed alone,
 // which depends on the core: on a Sapphire Rapids-class Xeon with its tiles off, widening took
-// 0.71-0.79x vdpbf16ps's time at 16-2,048 rows (docs/cpu-model-ops.md, thirteenth round), while
+// 0.71-0.79x vdpbf16ps's time at 16-2,048 rows (docs/design/cpu-kernels.md, thirteenth round), while
 // on a Zen 4 EPYC it took 1.6-2.3x at 16-1,024 rows (fourteenth round). So it is
 // timed, once per process, on a small GEMM bound by arithmetic (~1 ms); vdpbf16ps stays unless
 // widening is clearly faster.

@@ -8,7 +8,7 @@
 //
 // Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
 // rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
-// ~150 (docs/cpu-model-ops.md; a per-call cost such as packing the weights is the likely cause).
+// ~150 (docs/design/cpu-kernels.md; a per-call cost such as packing the weights is the likely cause).
 // Our weights never change, so they are packed once after loading, in panels of two vectors of
 // columns (32 with AVX-512, 16 otherwise; BLIS's microkernel shape, below), and linear_packed_f32
 // runs every product of the model on them, decode and prefill alike. It is deterministic and independent of the thread count.
@@ -47,18 +47,18 @@ constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 Ki
 // With AVX-512 and more than 16 rows, slices of 24 KiB: fewer passes of each tile's accumulators
 // in and out, worth 2-6% from 32 rows on a Zen 4 (which then holds the slice in L1 only in part);
 // at 16 rows and fewer (bound by the weights' bytes) and with AVX2's panels the 16 KiB slices were
-// as fast or faster (docs/cpu-model-ops.md, sixteenth round).
+// as fast or faster (docs/design/cpu-kernels.md, sixteenth round).
 constexpr int64_t kKcWide = kVec == 16 ? 24576 / (kPanel * 4) : kKc;
 inline int64_t slice_rows_for(int64_t rows) { return rows > 16 ? kKcWide : kKc; }
 constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
 // Up to this many rows (a decode step's) go in one chunk whatever K: a second chunk streams every
 // weight from memory again, which costs more than x's rows spilling from L2 to L3 (fp32, 30 layers
-// of the default model's 576 x 1536 down projection, cold: see docs/cpu-model-ops.md).
+// of the default model's 576 x 1536 down projection, cold: see docs/design/cpu-kernels.md).
 constexpr int64_t kOneChunkRows = 64;
 
 // One row of a packed panel (kPanel floats, or kPanel bf16 pairs: kPanel * 4 bytes) asked for ahead
 // of the GEMMs' loads, into L2 (prefetcht1), not L1: 30 layers of cold weights 9-10% faster at 8-16
-// rows (fp32, AVX-512), 7-9% at 2-8 (AVX2), level from 32 rows (docs/cpu-model-ops.md, eleventh
+// rows (fp32, AVX-512), 7-9% at 2-8 (AVX2), level from 32 rows (docs/design/cpu-kernels.md, eleventh
 // round). Likely why, not measured: an L1 prefetch holds one of the core's few line-fill buffers
 // until its line arrives.
 inline void prefetch_panel_row_l2(const void* row) {

@@ -127,7 +127,7 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 // waited behind them (bf16 decode: 9.7 ms of a 26.6 ms step was memory alone, the rest did not overlap it).
 // Into L2 (prefetcht1), not L1: a chunk's K and V (24-48 KiB) and the next one's do not fit a 32 KiB
 // L1 together. The last chunk of an item asks for the first chunk of the thread's next item. Both:
-// 0.79-0.82x the time of 30 cold layers of decode on a Zen 4 (docs/cpu-attention.md).
+// 0.79-0.82x the time of 30 cold layers of decode on a Zen 4 (docs/design/cpu-kernels.md).
 struct Prefetcher {
   const char *k = nullptr, *v = nullptr;  // the current row's slice, in K and in V
   int64_t stride = 0, bytes = 0, rows = 0, off = 0;
@@ -487,7 +487,7 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       // together (attend_rows_tiled) when there are two or more, else one at a time. Tiled rows read
       // the chunk through fp32 copies (kt, vf), so their chunks may span blocks: at block size 16,
       // 32 keys halve the softmax updates per key (prompts of 512-2,048 tokens: 0.83-0.91x the time
-      // on a Zen 4, docs/cpu-attention.md); rows read in place keep to one block.
+      // on a Zen 4, docs/design/cpu-kernels.md); rows read in place keep to one block.
       const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
       const bool tiled = it.ntok - t_vis >= 2;
       const int64_t n = std::min<int64_t>({kKeysPerChunk, tiled ? end - p0 : sh.block_size - off, end - p0});

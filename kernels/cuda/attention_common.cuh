@@ -23,7 +23,7 @@
 #define PR_FLT_MAX 3.402823466e+38f
 #define PR_DIV_UP(a, b) (((a) + (b) - 1) / (b))
 
-// Loads in flight per lane (docs/kernels.md): value rows loaded before any is used (PV phase), and
+// Loads in flight per lane (docs/design/cuda-kernels.md): value rows loaded before any is used (PV phase), and
 // the key elements one chunk of the QK phase reads (divided among a grouped block's query heads).
 // Defined here so that a benchmark can compile other values (-D) and time them side by side.
 #ifndef PR_V_BATCH

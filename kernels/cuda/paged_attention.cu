@@ -1,6 +1,6 @@
 // Paged decode attention (vLLM's paged_attention_v1 / v2 + reduce), rewritten for pagedrun's cache
 // layout and for three consumers: nvcc (compile gates), NVRTC through cupy.RawModule (GPU), and the
-// CUDA-on-CPU emulator (tests). See docs/kernels.md for the thread mapping drawn out.
+// CUDA-on-CPU emulator (tests). See docs/design/cuda-kernels.md for the thread mapping drawn out.
 //
 //   query        [num_seqs, num_heads, head_size]          (row stride q_stride)
 //   key_cache    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]   (cache_t: see kv_cache_dtype.cuh)
@@ -10,7 +10,7 @@
 //   out          [num_seqs, num_heads, head_size]
 //
 // Grid (num_heads, num_seqs[, max_num_partitions]); NUM_THREADS (128) threads = 4 warps.
-// Rules that keep this file emulatable (docs/kernels.md, FACTS section 6): dynamic shared memory only
+// Rules that keep this file emulatable (docs/design/cuda-kernels.md, FACTS section 6): dynamic shared memory only
 // as `extern __shared__`, nothing read from shared memory before it is written, every *_sync
 // collective called by all 32 lanes from one site with the full mask, __syncthreads only in
 // block-uniform control flow, no inline PTX, only NVRTC-provided headers.

@@ -1,7 +1,7 @@
 """Prefill attention through torch's scaled_dot_product_attention: one call per prefilling sequence.
 
 On a GPU this is the tensor-core path (flash / memory-efficient SDPA), which the paged kernels are
-not: they re-read the prefix once per query token with scalar FMAs (docs/kernels.md, "Prefill").
+not: they re-read the prefix once per query token with scalar FMAs (docs/design/cuda-kernels.md, "Prefill").
 So every backend sends prefill here and keeps its paged kernels (or gather + SDPA) for decode.
 
 A sequence with nothing cached before this step attends over this step's own K/V (causal); one with

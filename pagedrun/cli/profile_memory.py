@@ -2,7 +2,7 @@
 
 It starts the engine exactly as `pagedrun generate` would (load, profile pass, plan, allocate the
 cache), then prints the plan as a table on stdout, each number marked measured or derived, and
-optionally writes the same numbers as JSON (field names documented in docs/memory.md, schema below).
+optionally writes the same numbers as JSON (field names documented in docs/design/memory.md, schema below).
 With --prompts it also sizes the cache against that file's real requests.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _write_json(path: Path | None, data: dict) -> None:
 
 def plan_json(plan: MemoryPlan, recipe, requests: dict | None, *, model: dict | None = None,
               error: str | None = None) -> dict:
-    """The report's stable JSON form (docs/memory.md lists every field). Bytes are integers."""
+    """The report's stable JSON form (docs/design/memory.md lists every field). Bytes are integers."""
     p = plan.profile
     c, s = recipe.cache, recipe.scheduler
     measured = None

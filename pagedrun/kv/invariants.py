@@ -1,7 +1,7 @@
 """The KV cache manager's invariants and a comparable snapshot of its whole state (for tests that
 assert a failed operation changed nothing). Read-only: nothing here changes the state it checks.
 
-The invariants (docs/architecture.md): every block is free xor referenced; ref_cnt == number of
+The invariants (docs/design/architecture.md): every block is free xor referenced; ref_cnt == number of
 tables holding it; tables cover exactly their tokens; the hash map points only at full blocks with
 that hash; the CPU pool never caches.
 """

@@ -327,7 +327,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Raise InvariantError naming the first violated invariant (see docs/architecture.md)."""
+        """Raise InvariantError naming the first violated invariant (see docs/design/architecture.md)."""
         invariants.check_invariants(self._tables, self._swapped, self._progress, self.gpu_pool, self.cpu_pool,
                                     self.block_size)
 

@@ -3,7 +3,7 @@
 The Python loop in llama.py calls a C++ kernel for every op of every layer, and pays for it
 between the calls: argument checks, ctypes conversions, tensor views and outputs. On 2 cores that
 is about 120 us a layer, 4 ms a decode step of a 30-layer model, 0.5 s of the default model's
-bench run (docs/cpu-model-ops.md, "Tenth round"). The runner makes the same kernel calls with the
+bench run (docs/design/cpu-kernels.md, "Tenth round"). The runner makes the same kernel calls with the
 same arguments from C, so its results are the loop's bit for bit; it has no arithmetic of its own.
 
 It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in

@@ -9,7 +9,7 @@ tests/engine/test_engine.py).
 
 Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill
 step but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150
-(measured; docs/cpu-model-ops.md). The model's weights are packed once after loading
+(measured; docs/design/cpu-kernels.md). The model's weights are packed once after loading
 (`pack_weight`) and `linear_packed` runs every product on them, decode and prefill alike.
 The elementwise ops replace chains of 3-14 torch passes over the activations with one.
 
@@ -180,7 +180,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   out_features: int) -> torch.Tensor:
     """x [M, K] @ weight^T (+ bias) with the weight packed by pack_weight: the packed GEMM kernel for
     every M (it keeps up with torch's at prefill sizes and beats it at decode sizes,
-    docs/cpu-model-ops.md). With the kernels switched off since packing (torch_only(), tests), torch
+    docs/design/cpu-kernels.md). With the kernels switched off since packing (torch_only(), tests), torch
     on the unpacked weight: right, and slow."""
     kern, x = _packed_operands(x, packed, bias)
     if kern is not None:

@@ -3,7 +3,7 @@ first NaN where a row holds one), computed by the C++ kernel of kernels/cpu/argm
 float32 and bfloat16 logits on the CPU and by torch.argmax everywhere else.
 
 Why a kernel: torch.argmax over a decode step's [64, 49152] logits took 2.5 ms on a 2-core Xeon,
-the kernel 0.2-0.3 ms (docs/cpu-model-ops.md). PAGEDRUN_CPU_ARGMAX=0 turns it off.
+the kernel 0.2-0.3 ms (docs/design/cpu-kernels.md). PAGEDRUN_CPU_ARGMAX=0 turns it off.
 """
 from __future__ import annotations
 

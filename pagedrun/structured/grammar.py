@@ -1,6 +1,6 @@
 """Constraints -> grammars -> one matcher per sequence, through llguidance (an optional extra).
 
-Why llguidance rather than xgrammar (vLLM offers both; measured here, docs/benchmarks.md
+Why llguidance rather than xgrammar (vLLM offers both; measured here, docs/results.md
 "Structured outputs"): llguidance is one 3.1 MB wheel with no dependencies, where xgrammar's
 metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it compiled our
 schema set in 0.1-3 ms each against xgrammar's 0.4-34 ms; it refuses the JSON Schema keywords it

@@ -6,7 +6,7 @@ blocks are freed) with a fresh mmap, and gives free memory at the top of the hea
 kernel once it exceeds the trim threshold. Either way the next step's activations land on pages the
 kernel must fault in and zero again: on the 29M bench model, 130,000-540,000 page faults and
 0.5-1.9 s of system time in a 8-9 s run, depending on how glibc's threshold happened to move
-(docs/cpu-model-ops.md). Fixing the two thresholds keeps a step's freed activations in the heap for
+(docs/design/cpu-kernels.md). Fixing the two thresholds keeps a step's freed activations in the heap for
 the next step: 76,000-91,000 faults (mostly the KV cache's first touch) and 0.25-0.35 s.
 
 What it costs: freed activations stay in the heap instead of going back to the kernel, and the heap

@@ -189,7 +189,7 @@ def _agreement(got, ref) -> float:
 
 
 # Random tiny models have nearly tied logits, so a small perturbation of K/V flips greedy picks far
-# more often than on a trained model (docs/memory.md has the default model's numbers). Measured over
+# more often than on a trained model (docs/design/memory.md has the default model's numbers). Measured over
 # these six families (10 prompts, 16 tokens): int8 0.87-1.00, e4m3 0.52-0.72, e5m2 0.34-0.62 of the
 # tokens before the first divergence; the bounds sit at about two thirds of the lowest.
 MIN_AGREEMENT = {"int8": 0.6, "fp8": 0.35, "fp8_e5m2": 0.22}

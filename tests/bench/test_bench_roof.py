@@ -1,6 +1,6 @@
 """The bench's roof (the measured FMA peak), its useful-FLOP count, its model cache, and the vLLM
 peer's plumbing that runs without vLLM installed (CI has none: the peer itself is run by hand,
-docs/benchmarks.md)."""
+docs/results.md)."""
 from __future__ import annotations
 
 import shutil

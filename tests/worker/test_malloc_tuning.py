@@ -5,7 +5,7 @@ glibc's documented behaviour for one allocation the script makes itself with mal
 with mallinfo2 (mmapped bytes, heap bytes) and getrusage (page faults of the script's own memset):
 counts of the script's own pages, the same on any machine and under any load. How many faults a
 real run saves depends on torch's allocation history and the kernel (transparent huge pages), so it
-is measured in docs/memory.md, not asserted here.
+is measured in docs/design/memory.md, not asserted here.
 """
 from __future__ import annotations
 

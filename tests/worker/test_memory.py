@@ -274,7 +274,7 @@ def test_profile_batch():
 
 # ---------------------------------------------------------------- real runs
 
-# Stated in docs/memory.md: engine objects made after the profile, allocator slack. The run has a
+# Stated in docs/design/memory.md: engine objects made after the profile, allocator slack. The run has a
 # process of its own, as a user's has: inside the whole suite the heap other tests left behind
 # moved the overshoot to 35.7 MiB once and 50.1 MiB once (CI, 2026-11-26), a property of the test
 # process, not of the plan. Measured on the Xeon (2026-11-26), fresh process, C++ kernel (no gather):
@@ -357,7 +357,7 @@ def test_cli_profiles_agree_and_size_prompts(wide_model, tmp_path):
     # Everything computed from the recipe, the config and the prompts is the same in both processes.
     # The measured numbers (activation peak, memory outside torch) are RSS readings: glibc's dynamic
     # mmap threshold and the machine's load move them between processes (+-15% on this tiny model,
-    # docs/memory.md), so the two runs are not compared on them; each run's arithmetic is checked.
+    # docs/design/memory.md), so the two runs are not compared on them; each run's arithmetic is checked.
     for key in ("num_blocks", "kv_budget_bytes", "block_bytes", "kv_cache_bytes", "token_capacity",
                 "max_concurrency_at_max_model_len"):
         assert a["derived"][key] == b["derived"][key], key

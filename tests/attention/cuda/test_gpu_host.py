@@ -1,6 +1,6 @@
 """The GPU path's host logic, checked on the CPU (issue 15): everything here runs without a GPU.
 
-What needs a GPU to check is listed in docs/gpu.md and run by benchmarks/gpu_check.sh.
+What needs a GPU to check is listed in docs/guide/gpu.md and run by benchmarks/gpu_check.sh.
 """
 from __future__ import annotations
 

@@ -206,7 +206,7 @@ def grouped_kernels(kv: str) -> dict[K.KernelVariant, K.PagedKernels]:
 def test_grouped_quantized_kernels_equal_one_head_bit_for_bit(emu, kv):
     """Blocks serving up to MAX_QUANTIZED_GROUP query heads of a quantized cache add each head's
     sums in the one-head kernel's order: the same bits, v1 and v2, every KV dtype; K.group_for picks
-    them (1.8x the one-head kernel's rate on an H200: docs/gpu.md)."""
+    them (1.8x the one-head kernel's rate on an H200: docs/guide/gpu.md)."""
     for j, (v, ker) in enumerate(grouped_kernels(kv).items()):
         heads, kv_heads = GROUPED[j][3:5]
         assert K.group_for(heads, kv_heads, kv) == v.group and v.launch_group(heads, kv_heads) == v.group > 1
