@@ -1,4 +1,4 @@
-// The bf16 GEMM on vectors, for kernels/cpu/model_ops_cpu.cpp (included there after the fp32 GEMM,
+// The bf16 GEMM on vectors, for kernels/cpu/model_ops_cpu.cpp (on the fp32 GEMM of f32_gemm.h,
 // whose tile the widening path runs): vdpbf16ps where the build has avx512_bf16, FMAs on widened
 // bf16 everywhere; the same bits either way. AMX tiles, where the CPU has them, are amx_bf16.h.
 #pragma once
