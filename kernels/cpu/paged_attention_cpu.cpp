@@ -35,6 +35,8 @@
 #endif
 
 #include "amx_tiles.h"  // (its system headers here, outside the namespace; empty without AMX)
+#include "attention_elements.h"    // BF16, F16 (PR_HAVE_F16), to_f32, from_f32
+#include "attention_kv_readers.h"  // PlainKv, Fp8Kv, Int8Kv: how cache rows are widened
 #include "simd.h"  // vgf: kVec floats (16 with AVX-512, else 8), on top of vec8.h
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
@@ -46,37 +48,6 @@ constexpr int kRowsPerTile = 192;  // query rows (tokens x group heads) per pref
 constexpr int kMaxGroupRows = 4;   // query rows that share each K/V row loaded (one call of the R-row helpers)
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// ---- element types: widen to fp32 on load, round to nearest even on store ----
-struct BF16 {
-  uint16_t bits;
-};
-#ifdef __FLT16_MAX__
-using F16 = _Float16;
-#define PR_HAVE_F16 1
-#else
-#define PR_HAVE_F16 0
-#endif
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(BF16 x) { return bits_to_float(uint32_t(x.bits) << 16); }
-#if PR_HAVE_F16
-inline float to_f32(F16 x) { return float(x); }
-#endif
-
-template <typename T> inline T from_f32(float x);
-template <> inline float from_f32<float>(float x) { return x; }
-template <> inline BF16 from_f32<BF16>(float x) {
-  uint32_t u = float_to_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{uint16_t((u >> 16) | 0x40)};  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return BF16{uint16_t(u >> 16)};
-}
-#if PR_HAVE_F16
-template <> inline F16 from_f32<F16>(float x) { return F16(x); }
-#endif
-
-#include "attention_kv_readers.h"  // PlainKv, Fp8Kv, Int8Kv: how cache rows are widened
 
 typedef float v4f __attribute__((vector_size(16)));
 typedef float v4fu __attribute__((vector_size(16), aligned(4), may_alias));
