@@ -24,9 +24,17 @@
 // (Not in the 8-wide test build, PR_GEMM_VEC8, whose panels are 16 columns.)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
 #define PR_HAVE_AMX 1
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-#include "amx_tiles.h"
+#include "amx_tiles.h"    // amx_permitted, amx_configure
+#include "bf16_gemm.h"    // store_bf16_panel_row
+#include "elementwise.h"  // silu_v
+#include "f32_gemm.h"     // kPanel
+#include "simd.h"
 
 namespace {
 

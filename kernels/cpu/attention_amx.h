@@ -19,7 +19,17 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(PR_GEMM_VEC8)
 #define PR_ATTENTION_AMX 1
-#include "amx_tiles.h"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "amx_tiles.h"           // amx_permitted
+#include "attention_decode.h"    // kKeysPerChunk: the chunk of keys every path scores at a time
+#include "attention_elements.h"  // BF16
+#include "simd.h"
 
 namespace {
 

@@ -1,6 +1,17 @@
 // How paged_attention_cpu.cpp reads cache rows: as the query's type, or quantized codes widened to
-// fp32 (issue 18). Included inside that file's namespace, after its element types (BF16, to_f32).
+// fp32 (issue 18).
 #pragma once
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_elements.h"  // BF16, to_f32
+
+namespace {
 
 // A reader widens one row of hd elements (cache slot `slot`, kv head `h`) into fp32. Plain readers
 // of fp32 caches are never called: the kernel reads those rows in place.
@@ -59,3 +70,5 @@ struct Int8Kv {
     for (int64_t d = 0; d < hd; ++d) dst[d] = float(src[d]) * s;
   }
 };
+
+}  // namespace

@@ -1,7 +1,15 @@
 // Prefill attention on fp32 FMAs for paged_attention_cpu.cpp (every CPU; bf16 on AMX takes
-// attention_amx.h instead). Included inside that file's namespace, after the decode helpers it
-// reuses (Vec, weighted_sumR, softmax_chunk).
+// attention_amx.h instead), on the decode helpers it reuses (attention_decode.h: Vec,
+// weighted_sumR, softmax_chunk).
 #pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "attention_decode.h"  // kKeysPerChunk, kMaxGroupRows, Prefetcher, weighted_sumR, softmax_chunk
+#include "simd.h"
+
+namespace {
 
 // ---- prefill: many tokens against the same keys ----
 //
@@ -104,3 +112,5 @@ inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group,
     r += rb;
   }
 }
+
+}  // namespace

@@ -1,11 +1,17 @@
-// The bf16 GEMM on vectors, for kernels/cpu/model_ops_cpu.cpp (included there after the fp32 GEMM,
+// The bf16 GEMM on vectors, for kernels/cpu/model_ops_cpu.cpp (on the fp32 GEMM of f32_gemm.h,
 // whose tile the widening path runs): vdpbf16ps where the build has avx512_bf16, FMAs on widened
 // bf16 everywhere; the same bits either way. AMX tiles, where the CPU has them, are amx_bf16.h.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "elementwise.h"  // silu_and_mul: the fused gate/up projection's epilogue
+#include "f32_gemm.h"     // kPanel, packed_tile_rows, prefetch_panel_row_l2, row_chunk_for
+#include "simd.h"
 
 // ---- GEMM in bf16: out = bf16(sum_k x[m, k] * w[n, k] + bias[n]), x, w, bias, out all bf16 ----
 //
@@ -156,10 +162,6 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
   for (int64_t m = 0; m < rows; ++m)
     store_bf16_panel_row(out + m * ldo, load_v(c + m * kPanel), load_v(c + m * kPanel + kVec), bias, cols);
 }
-
-template <typename T>
-int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
-                 int num_threads);  // with the elementwise ops below
 
 // Panel q's columns (fewer than kPanel in a partial last panel) of rows [0, rows) of a chunk of x,
 // as the vector path reads it (bf16, or fp32 widened), into out (row 0's first column of the panel).

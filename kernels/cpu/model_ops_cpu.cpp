@@ -10,7 +10,7 @@
 // rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
 // ~150 (docs/design/cpu-kernels.md; a per-call cost such as packing the weights is the likely cause).
 // Our weights never change, so they are packed once after loading, in panels of two vectors of
-// columns (32 with AVX-512, 16 otherwise; BLIS's microkernel shape, below), and linear_packed_f32
+// columns (32 with AVX-512, 16 otherwise; BLIS's microkernel shape, f32_gemm.h), and linear_packed_f32
 // runs every product of the model on them, decode and prefill alike. It is deterministic and independent of the thread count.
 //
 // Numerics follow transformers' op order (built with -ffp-contract=off and no -ffast-math, so a*b+c
@@ -18,149 +18,19 @@
 // and then by the weight; RoPE is x1*cos - x2*sin, x2*cos + x1*sin (bit-identical to torch's);
 // SiLU is x / (1 + exp(-x)). Only reduction orders (and exp, within 2 ulp) differ from torch's.
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
+// Each header includes what it uses (tests/test_kernel_headers.py compiles each alone); they are
+// listed in dependency order, which is the order their definitions had in this file but for
+// elementwise.h's (silu_and_mul, which the bf16 GEMMs call, used to follow them).
 #include "simd.h"
+#include "f32_gemm.h"     // the fp32 GEMM: packed panels (kPanel) and their tiles
+#include "elementwise.h"  // RMSNorm, RoPE, SiLU * up
+#include "bf16_gemm.h"    // the bf16 GEMM on vectors
+#include "amx_bf16.h"     // the bf16 GEMM on AMX tiles (PR_HAVE_AMX; empty without AMX)
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
-
-namespace {
-
-// ---- GEMM: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w packed ----
-//
-// The model's Linear weights are repacked once after loading (pagedrun.models.ops.pack_weight) into
-// panels of kPanel = 2 vectors of output columns: packed[q][k][j] = w[q * kPanel + j][k], zero-padded
-// past N. A panel's row k holds column block q's weights for input k, so a tile of MR rows of x times
-// the panel is an outer product per k: two vector loads of weights, MR broadcasts of x, 2 * MR FMAs
-// into 2 * MR accumulators. Panels stream contiguously from memory, so the hardware prefetcher
-// follows them, and each panel slice (kKc rows of k, 16 KiB; 24 in some cases, below) stays in L1
-// beside a tile of x while every row tile of x passes over it. Each output element is one sum over
-// k in increasing order (continued across k-slices through the output itself), so results do not
-// depend on the thread count, the blocking or the vector width.
-
-constexpr int kPanel = 2 * kVec;
-constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
-// With AVX-512 and more than 16 rows, slices of 24 KiB: fewer passes of each tile's accumulators
-// in and out, worth 2-6% from 32 rows on a Zen 4 (which then holds the slice in L1 only in part);
-// at 16 rows and fewer (bound by the weights' bytes) and with AVX2's panels the 16 KiB slices were
-// as fast or faster (docs/design/cpu-kernels.md, sixteenth round).
-constexpr int64_t kKcWide = kVec == 16 ? 24576 / (kPanel * 4) : kKc;
-inline int64_t slice_rows_for(int64_t rows) { return rows > 16 ? kKcWide : kKc; }
-constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
-// Up to this many rows (a decode step's) go in one chunk whatever K: a second chunk streams every
-// weight from memory again, which costs more than x's rows spilling from L2 to L3 (fp32, 30 layers
-// of the default model's 576 x 1536 down projection, cold: see docs/design/cpu-kernels.md).
-constexpr int64_t kOneChunkRows = 64;
-
-// One row of a packed panel (kPanel floats, or kPanel bf16 pairs: kPanel * 4 bytes) asked for ahead
-// of the GEMMs' loads, into L2 (prefetcht1), not L1: 30 layers of cold weights 9-10% faster at 8-16
-// rows (fp32, AVX-512), 7-9% at 2-8 (AVX2), level from 32 rows (docs/design/cpu-kernels.md, eleventh
-// round). Likely why, not measured: an L1 prefetch holds one of the core's few line-fill buffers
-// until its line arrives.
-inline void prefetch_panel_row_l2(const void* row) {
-  for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(static_cast<const char*>(row) + line, 0, 2);
-}
-
-// Rows of x per chunk: kXBytesInL2 of them (whole tiles), or all of them up to kOneChunkRows.
-inline int64_t row_chunk_for(int64_t M, int64_t K, int64_t elem_bytes, int64_t tile) {
-  int64_t chunk = kXBytesInL2 / (K * elem_bytes);
-  chunk = chunk < tile ? tile : chunk / tile * tile;
-  return M <= kOneChunkRows && M > chunk ? M : chunk;
-}
-
-// MR rows of x (row stride ldx) times panel rows [k0, k1) into c (row stride ldc): started from
-// zero when `first`, else continued from c; bias added when given (the last slice). `prefetch`:
-// this tile's share of the next slice to pull in from memory while it computes, one panel row
-// (kPanel floats) every `pf_every` k (the slice's tiles each take a share, so the requests are
-// spread over all of its arithmetic: asked for by the first tile alone they came faster than the
-// core's line-fill buffers drain, and its FMAs waited behind them).
-template <int MR>
-inline void packed_tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0,
-                        int64_t k1, float* __restrict c, int64_t ldc, bool first, const float* bias,
-                        const float* prefetch, int pf_every) {
-  vgf acc[MR][2];
-  for (int i = 0; i < MR; ++i) {
-    acc[i][0] = first ? vgf{} : load_v(c + i * ldc);
-    acc[i][1] = first ? vgf{} : load_v(c + i * ldc + kVec);
-  }
-  int pf_count = 1;
-#pragma GCC unroll 4
-  for (int64_t k = k0; k < k1; ++k) {
-    if (prefetch && --pf_count == 0) {
-      pf_count = pf_every;
-      prefetch_panel_row_l2(prefetch);
-      prefetch += kPanel;
-    }
-    const vgf w0 = load_v(panel + k * kPanel), w1 = load_v(panel + k * kPanel + kVec);
-    for (int i = 0; i < MR; ++i) {
-      const vgf xv = broadcast_v(x[i * ldx + k]);
-      acc[i][0] = fma_v(xv, w0, acc[i][0]);
-      acc[i][1] = fma_v(xv, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    if (bias) {
-      acc[i][0] += load_v(bias);
-      acc[i][1] += load_v(bias + kVec);
-    }
-    store_v(c + i * ldc, acc[i][0]);
-    store_v(c + i * ldc + kVec, acc[i][1]);
-  }
-}
-
-template <int MR>
-inline void packed_tile_rows(int mr, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
-                             float* c, int64_t ldc, bool first, const float* bias, const float* prefetch,
-                             int pf_every) {
-  if constexpr (MR > 1) {
-    if (mr < MR)
-      return packed_tile_rows<MR - 1>(mr, x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch, pf_every);
-  }
-  packed_tile<MR>(x, ldx, panel, k0, k1, c, ldc, first, bias, prefetch, pf_every);
-}
-
-// All row tiles of rows [m0, m1) against panel q over the whole K, slice by slice, into out (row
-// m0's first column of this panel; rows ldo apart). The last panel may be partial (N not a multiple
-// of kPanel): its tiles go through a full-width scratch tile.
-inline void packed_panel(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* packed, int64_t q,
-                         int64_t num_panels, int64_t N, int64_t K, const float* bias, float* out, int64_t ldo) {
-  const float* panel = packed + q * K * kPanel;
-  const int64_t n0 = q * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
-  float scratch[kTileM * kPanel];
-  const int64_t kc = slice_rows_for(m1 - m0);
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-    const bool first = k0 == 0, last = k1 == K;
-    // Next in this thread's stream: the panel's next slice, else the next panel's first (rows
-    // [k1, k1 + kc) of the packed weight either way: panels are contiguous), shared by the tiles.
-    const float* next = k1 < K || q + 1 < num_panels ? panel + k1 * kPanel : nullptr;
-    const int tiles = int((m1 - m0 + kTileM - 1) / kTileM);
-    const int64_t share = (kc + tiles - 1) / tiles;  // next-slice rows per tile
-    for (int64_t m = m0, t = 0; m < m1; m += kTileM, ++t) {
-      const int mr = m1 - m < kTileM ? int(m1 - m) : kTileM;
-      float* c = out + (m - m0) * ldo;
-      const float* prefetch = next ? next + t * share * kPanel : nullptr;
-      const int pf_every = int((k1 - k0 + share - 1) / share);
-      if (cols == kPanel) {
-        packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, c, ldo, first,
-                                 last && bias ? bias + n0 : nullptr, prefetch, pf_every);
-        continue;
-      }
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < kPanel; ++j) scratch[i * kPanel + j] = !first && j < cols ? c[i * ldo + j] : 0.0f;
-      packed_tile_rows<kTileM>(mr, x + m * ldx, ldx, panel, k0, k1, scratch, kPanel, first, nullptr, prefetch,
-                               pf_every);
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < cols; ++j)
-          c[i * ldo + j] = scratch[i * kPanel + j] + (last && bias ? bias[n0 + j] : 0.0f);
-    }
-  }
-}
-}  // namespace
 
 // Columns per panel of the packed layout (pagedrun.models.ops packs with it).
 PR_EXPORT int packed_panel_width() { return kPanel; }
@@ -182,13 +52,6 @@ PR_EXPORT int linear_packed_f32(const float* x, const float* packed, const float
   }
   return 0;
 }
-
-#include "bf16_gemm.h"
-
-// SiLU, x / (1 + exp(-x)), a vector at a time (silu_and_mul, and the AMX GEMM's fused epilogue).
-inline vgf silu_v(vgf x) { return x / (1.0f + exp_v(-x)); }
-
-#include "amx_bf16.h"
 
 #ifdef PR_HAVE_AMX
 bool g_use_amx = true;
@@ -222,165 +85,6 @@ PR_EXPORT int linear_packed_bf16(const uint16_t* x, const int32_t* packed, const
   if (g_use_amx && linear_packed_bf16_amx(x, packed, bias, out, M, N, K, ldx, ldo, num_threads)) return 0;
 #endif
   return linear_packed_bf16_vector(x, packed, bias, out, M, N, K, ldx, ldo, num_threads, false);
-}
-
-// ---- elementwise ops, float32 and bf16 (uint16 bits) from one template each ----
-//
-// bf16 follows transformers' bf16 op order: each torch op computes in fp32 and rounds its result to
-// bf16, so the kernels round (rnd) exactly where a torch op would end, and nowhere else. For float32
-// rnd is the identity and the code is what it was, op for op.
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-inline void st(float* p, int64_t i, float v) { p[i] = v; }
-inline void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
-template <typename T> inline float rnd(float v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return bf16_to_f32(f32_to_bf16(v));
-}
-inline vgf ld_v(const float* p) { return load_v(p); }
-inline vgf ld_v(const uint16_t* p) { return load_bf16_v(p); }
-inline void st_v(float* p, vgf v) { store_v(p, v); }
-inline void st_v(uint16_t* p, vgf v) { store_bf16_v(p, v); }
-template <typename T> inline vgf rnd_v(vgf v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  else return round_bf16_v(v);
-}
-
-// 8 elements widened to fp32 (bf16: the top half of an fp32, exact).
-inline v8f load8_any(const float* p) { return load8(p); }
-inline v8f load8_any(const uint16_t* p) {
-  typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
-  const v8i wide = __builtin_convertvector(*reinterpret_cast<const v8u16*>(p), v8i);
-  return (v8f)(wide << 16);
-}
-
-// One row of RMSNorm: o = weight * (h * 1/sqrt(mean(h^2) + eps)), h = x, or with a residual row r,
-// h = x + r written back to r first. o may be x (each element is read before it is written).
-template <typename T>
-inline void rms_norm_row(const T* x, T* r, const T* weight, T* o, int64_t H, float eps) {
-  const T* h = x;
-  if (r) {
-    for (int64_t i = 0; i < H; ++i) st(r, i, ld(x, i) + ld(r, i));
-    h = r;
-  }
-  v8f acc = {};
-  int64_t i = 0;
-  for (; i + 8 <= H; i += 8) {
-    const v8f v = load8_any(h + i);
-    acc += v * v;
-  }
-  float ss = horizontal_sum(acc);
-  for (; i < H; ++i) ss += ld(h, i) * ld(h, i);
-  const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
-  for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
-}
-
-// RMSNorm of M rows of H: out = weight * (h * 1/sqrt(mean(h^2) + eps)), where h = x, or, with a
-// residual, h = x + residual, written back to residual first (the pre-norm block's "h = h + f(h)"
-// fused into the next norm, as vLLM does). Rows have strides ldx / ldr / ldo.
-template <typename T>
-int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H, int64_t ldx, int64_t ldr,
-             int64_t ldo, float eps, int num_threads) {
-  if (M < 0 || H <= 0 || ldx < H || ldo < H || (residual && ldr < H)) return -1;
-  if (num_threads < 1) num_threads = 1;
-  // Split from 8K elements (15 rows of 576): a decode step's rows arrive from a GEMM whose threads
-  // each wrote half of every row, so one thread alone read half its input from the other core
-  // (bf16, 49-64 rows: 3.4-3.8 -> 2.8-3.0 ms per step of 61 calls).
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= 8192)
-  for (int64_t m = 0; m < M; ++m)
-    rms_norm_row(x + m * ldx, residual ? residual + m * ldr : nullptr, weight, out + m * ldo, H, eps);
-  return 0;
-}
-
-// Qwen3's q_norm / k_norm: RMSNorm over each head of hd elements, for T tokens of `heads` heads
-// (token rows ldx / ldo apart, a token's heads contiguous, as q and k sit in the qkv projection's
-// output). out may be x: the layer runner normalises q and k where they are.
-template <typename T>
-int head_rms_norm(const T* x, const T* weight, T* out, int64_t T_, int64_t heads, int64_t hd, int64_t ldx,
-                  int64_t ldo, float eps, int num_threads) {
-  if (T_ < 0 || heads <= 0 || hd <= 0 || ldx < heads * hd || ldo < heads * hd) return -1;
-  if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T_ * heads * hd >= 8192)
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      rms_norm_row(x + t * ldx + h * hd, static_cast<T*>(nullptr), weight, out + t * ldo + h * hd, hd, eps);
-  return 0;
-}
-
-// RoPE in place, "rotate half" layout: for each token t and head, with c = cos[pos[t]], s = sin[pos[t]]
-// (float32 tables [max_pos, head_size / 2], rounded to T as transformers casts them): x1, x2 = halves;
-// x1' = x1*c - x2*s, x2' = x2*c + x1*s. x [T, num_heads, head_size], token stride ldx, head stride
-// head_size.
-template <typename T>
-int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok, int64_t num_heads,
-         int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads) {
-  if (ntok < 0 || num_heads <= 0 || head_size <= 0 || head_size % 2 || ldx < num_heads * head_size) return -1;
-  for (int64_t t = 0; t < ntok; ++t)
-    if (positions[t] < 0 || positions[t] >= max_pos) return -2;
-  if (num_threads < 1) num_threads = 1;
-  const int64_t half = head_size / 2;
-  constexpr int64_t kSplit = 16384;  // elements from which both threads take part (measured)
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= kSplit)
-  for (int64_t t = 0; t < ntok; ++t) {
-    const float* c = cos + positions[t] * half;
-    const float* s = sin + positions[t] * half;
-    if ((std::is_same<T, float>::value || kOneInstructionBf16) && half % kVec == 0 && half <= 256) {
-      // A vector at a time, cos and sin rounded once per token, not per head: bf16 at 64 tokens
-      // 35 -> 30 us (with bf16_v's one-instruction rounding; slower than g++'s own loop without it).
-      alignas(64) float cr[256], sr[256];
-      for (int64_t i = 0; i < half; i += kVec) {
-        store_v(cr + i, rnd_v<T>(load_v(c + i)));
-        store_v(sr + i, rnd_v<T>(load_v(s + i)));
-      }
-      for (int64_t hd = 0; hd < num_heads; ++hd) {
-        T* x1 = x + t * ldx + hd * head_size;
-        T* x2 = x1 + half;
-        for (int64_t i = 0; i < half; i += kVec) {
-          const vgf a = ld_v(x1 + i), b = ld_v(x2 + i), ci = load_v(cr + i), si = load_v(sr + i);
-          st_v(x1 + i, rnd_v<T>(a * ci) - rnd_v<T>(b * si));
-          st_v(x2 + i, rnd_v<T>(b * ci) + rnd_v<T>(a * si));
-        }
-      }
-      continue;
-    }
-    for (int64_t hd = 0; hd < num_heads; ++hd) {
-      T* x1 = x + t * ldx + hd * head_size;
-      T* x2 = x1 + half;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = ld(x1, i), b = ld(x2, i), ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
-        st(x1, i, rnd<T>(a * ci) - rnd<T>(b * si));
-        st(x2, i, rnd<T>(b * ci) + rnd<T>(a * si));
-      }
-    }
-  }
-  return 0;
-}
-
-// out [M, I] = silu(gate) * up, where each row of gate_up [M, 2I] (row stride ldg) holds gate and up
-// in blocks of `block` columns: gate's block b at columns [2b * block, (2b + 1) * block), up's
-// beside it. block = I is the plain layout (all of gate, then all of up); block = kPanel is what
-// the GEMM writes with a gate/up weight packed for linear_packed_silu (panels interleaved).
-template <typename T>
-int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
-                 int num_threads) {
-  if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I || block <= 0 || I % block) return -1;
-  if (num_threads < 1) num_threads = 1;
-  const int64_t bv = block / kVec * kVec;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= 65536)
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < I / block; ++b) {
-      const T* g = gate_up + m * ldg + 2 * b * block;
-      const T* u = g + block;
-      T* o = out + m * ldo + b * block;
-      int64_t i = 0;
-      for (; i < bv; i += kVec) st_v(o + i, rnd_v<T>(silu_v(ld_v(g + i))) * ld_v(u + i));
-      for (; i < block; ++i) {
-        const float gi = ld(g, i);
-        st(o, i, rnd<T>(gi / (1.0f + exp_f32(-gi))) * ld(u, i));
-      }
-    }
-  }
-  return 0;
 }
 
 // The MLP's gate/up projection and its activation in one call: out [M, I] = silu(gate) * up with

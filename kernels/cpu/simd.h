@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #endif
 
+#include <cstdint>
+
 #include "vec8.h"
 
 namespace {
