@@ -335,6 +335,9 @@ def test_cli_runs_n_above_max_num_seqs(cli_run, tmp_path):
     assert len(rec["outputs"]) == 20
 
 
+@pytest.mark.slow
+
+
 def test_closed_terminal_pipe_does_not_end_the_job(model, tmp_path):
     n = 30
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, **GOOD}) + "\n" for i in range(n)))

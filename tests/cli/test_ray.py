@@ -247,6 +247,9 @@ def _batch(requests):
             "sampling": np.array([json.dumps(r.sampling.to_dict()) for r in requests], dtype=object)}
 
 
+@pytest.mark.slow
+
+
 def test_replica_isolates_a_failing_request(job):
     """A request whose run raises (every time) becomes an error record; the rest of its batch is
     answered as usual, and the replica's counters are kept."""

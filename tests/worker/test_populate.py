@@ -65,6 +65,9 @@ def test_high_water_mark_covers_every_block_ever_used():
         assert used == set(range(pool.num_blocks_touched))
 
 
+@pytest.mark.slow
+
+
 def test_engine_populates_ahead_of_the_blocks_it_writes(tmp_path):
     from tiny_models import make_tiny_model
 

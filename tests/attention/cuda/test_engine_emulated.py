@@ -37,6 +37,9 @@ def test_generate_with_emulated_cuda_kernels_equals_torch_backend(tmp_path):
     assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16
 
 
+@pytest.mark.slow
+
+
 def test_gpu_path_sdpa_prefill_with_emulated_decode_kernels_equals_hf(tmp_path):
     """The CuPy backend's path on a GPU (prefill through torch SDPA, decode through the paged
     kernels, the step's kernel inputs built once for every layer) run on the CPU: greedy tokens
