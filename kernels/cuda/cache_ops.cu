@@ -72,26 +72,3 @@ __global__ void reshape_and_cache_kernel(
     }
   }
 }
-
-// Copy-on-write for every layer in one launch. Grid (num_layers, num_pairs).
-// key_cache_ptrs / value_cache_ptrs: int64 base addresses of each layer's cache tensor (device
-// addresses under CuPy, host addresses of the numpy buffers under the emulator).
-// block_mapping: int64 [num_pairs, 2] = (src, dst). numel_per_block = block_size * num_kv_heads * head_size.
-// scalar_t is only the element size: a quantized cache is copied as bytes (unsigned char), and an
-// int8 cache's per-row scales by a second launch over the scale tensors (float, block_size * num_kv_heads).
-template <typename scalar_t>
-__global__ void copy_blocks_kernel(const long long* __restrict__ key_cache_ptrs,
-                                   const long long* __restrict__ value_cache_ptrs,
-                                   const long long* __restrict__ block_mapping,
-                                   const int numel_per_block) {
-  const int layer_idx = blockIdx.x;
-  const int pair_idx = blockIdx.y;
-  scalar_t* key_cache = reinterpret_cast<scalar_t*>(key_cache_ptrs[layer_idx]);
-  scalar_t* value_cache = reinterpret_cast<scalar_t*>(value_cache_ptrs[layer_idx]);
-  const long long src_offset = block_mapping[2 * pair_idx] * numel_per_block;
-  const long long dst_offset = block_mapping[2 * pair_idx + 1] * numel_per_block;
-  for (int i = threadIdx.x; i < numel_per_block; i += blockDim.x) {
-    key_cache[dst_offset + i] = key_cache[src_offset + i];
-    value_cache[dst_offset + i] = value_cache[src_offset + i];
-  }
-}

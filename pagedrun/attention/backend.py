@@ -38,8 +38,3 @@ class AttentionBackend(Protocol):
         it: a request may hit prefix-cache blocks that another request computes in the same step."""
         ...
 
-    def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
-    ) -> None:
-        """Copy-on-write: for every (src, dst) pair copy block src to dst in every layer."""
-        ...

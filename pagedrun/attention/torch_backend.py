@@ -236,18 +236,6 @@ class TorchAttentionBackend:
                                      max(lens[sl]), scale)
         return out
 
-    def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]
-    ) -> None:
-        """Copy-on-write: block src -> dst in every layer (one indexed copy per cache tensor)."""
-        if not pairs:
-            return
-        device = kv_caches[0][0].device
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-        for key_cache, value_cache, *_ in kv_caches:  # int8 scales: CacheEngine.copy moves them
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
 
 
 def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, scale) -> torch.Tensor:

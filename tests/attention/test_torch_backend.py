@@ -204,13 +204,3 @@ def test_reshape_and_cache_layout():
     assert int((key_cache != 0).any(-1).any(-1).sum()) == 2
 
 
-def test_copy_blocks_every_layer():
-    caches = [(torch.randn(6, 8, 2, 4), torch.randn(6, 8, 2, 4)) for _ in range(3)]
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    TorchAttentionBackend().copy_blocks(caches, [(1, 4), (2, 0)])
-    for (k, v), (k0, v0) in zip(caches, before):
-        assert torch.equal(k[4], k0[1]) and torch.equal(v[4], v0[1])
-        assert torch.equal(k[0], k0[2]) and torch.equal(v[0], v0[2])
-        for b in (1, 2, 3, 5):
-            assert torch.equal(k[b], k0[b]) and torch.equal(v[b], v0[b])
-    TorchAttentionBackend().copy_blocks(caches, [])  # no-op

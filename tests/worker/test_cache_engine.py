@@ -86,6 +86,24 @@ def test_copy_reads_sources_before_writing():
     assert torch.equal(e.gpu_kv_cache[:, :, 2], before[:, :, 1])
 
 
+def test_copy_moves_int8_row_scales_with_their_blocks():
+    """The one copy-on-write path on every backend: an int8 cache's per-row scales live beside
+    its blocks (block_tensors) and are copied with them."""
+    from pagedrun.attention.kv_cache_spec import kv_cache_spec
+
+    e = CacheEngine(L, H, D, BS, 6, 0, torch.float32, "cpu", kv_cache_spec("int8", torch.float32))
+    assert e.gpu_kv_scales is not None and len(e.block_tensors) == 2
+    g = torch.Generator().manual_seed(2)
+    e.gpu_kv_cache.copy_(torch.randint(-127, 128, e.gpu_kv_cache.shape, generator=g, dtype=torch.int8))
+    e.gpu_kv_scales.copy_(torch.rand(e.gpu_kv_scales.shape, generator=g))
+    cache, scales = e.gpu_kv_cache.clone(), e.gpu_kv_scales.clone()
+    e.copy([(1, 3), (1, 5)])
+    for before, after in ((cache, e.gpu_kv_cache), (scales, e.gpu_kv_scales)):
+        assert torch.equal(after[:, :, 3], before[:, :, 1]) and torch.equal(after[:, :, 5], before[:, :, 1])
+        for b in (0, 1, 2, 4):
+            assert torch.equal(after[:, :, b], before[:, :, b])
+
+
 def test_empty_and_invalid_mappings():
     e = engine()
     e.swap_in([])

@@ -9,11 +9,11 @@ torch's caching allocator, so the memory plan and torch's accounting see all of 
 - forward: reshape_and_cache, then the paged kernels (v1 or v2 by vLLM's rule) for decode tokens
   and torch SDPA (tensor cores) for prefilling sequences over their new + cached tokens. The
   step's kernel inputs are built by the first layer and reused by the others (paged_step.py).
-- copy_blocks: all layers in one launch through int64 arrays of layer base addresses.
-- swap_blocks: one async cudaMemcpy per block between device and (pinned) host caches.
-- kv_cache_dtype (issue 18): fp8_e4m3 / fp8_e5m2 (uint8 caches, k_scale / v_scale per layer) or int8
-  (int8 caches, per-row scales that copy_blocks moves with their blocks); prefill then runs through
-  the kernels, which dequantize (SDPA would read the raw codes).
+- kv_cache_dtype: fp8_e4m3 / fp8_e5m2 (uint8 caches, k_scale / v_scale per layer) or int8 (int8
+  caches, a scale per row beside each block); prefill then runs through the kernels, which
+  dequantize (SDPA would read the raw codes).
+Copy-on-write, swap in and swap out are the cache engine's (worker/cache_engine.py: one indexed
+copy per cache tensor, every layer at once), the same on every backend.
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ class CupyAttentionBackend:
             raise ValueError(f"cupy backend: prefill {prefill!r}: one of {', '.join(paged_step.PREFILL_MODES)}")
         self.prefill = prefill
         self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
-        self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
+        self._model_dtype: torch.dtype | None = None  # from the first forward: the variant of a later call that names none
         self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         self.last_version: str | None = None
         # Per-call host work that does not change between layers and steps (on the H100's host a
@@ -213,45 +213,3 @@ class CupyAttentionBackend:
             paged_step.launch_each_version(self.kernels(key_cache, dtype), as_cupy, key_cache, value_cache, dtype,
                                            alloc=torch_alloc(key_cache.device))
 
-    def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
-        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> None:
-        """Copy-on-write in every layer; kv_scales: an int8 cache's per-row (k, v) scales per layer."""
-        if not kv_caches or not pairs:
-            return
-        first = kv_caches[0][0]
-        ker = self.kernels(first)
-        device = first.device
-        jobs = [(kv_caches, ker.variant.copy_blocks_name)]
-        if ker.variant.copy_scales_name:
-            if kv_scales is None:
-                raise ValueError("cupy backend: copy_blocks on an int8 cache needs kv_scales")
-            jobs.append((kv_scales, ker.variant.copy_scales_name))
-        with self._stream(device):  # the small index arrays come from torch's allocator too
-            mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
-            for tensors, name in jobs:
-                key_ptrs = torch.tensor([k.data_ptr() for k, _ in tensors], dtype=torch.int64).to(device)
-                value_ptrs = torch.tensor([v.data_ptr() for _, v in tensors], dtype=torch.int64).to(device)
-                ker.copy_blocks(as_cupy(key_ptrs), as_cupy(value_ptrs), as_cupy(mapping),
-                                int(np.prod(tensors[0][0].shape[1:])), name)
-
-    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
-        """Swap out (GPU -> pinned CPU) or in (CPU -> GPU): one async copy per (src_block, dst_block).
-
-        The host side should be pinned (torch.empty(..., pin_memory=True)) for the copies to be
-        truly asynchronous; pageable memory still works, cudaMemcpyAsync just stages it.
-        """
-        import cupy
-
-        if not mapping:
-            return
-        gpu = src if src.device.type == "cuda" else dst
-        block_bytes = src[0].numel() * src.element_size()
-        with self._stream(gpu.device):
-            stream = cupy.cuda.get_current_stream()
-            for s, d in mapping:
-                cupy.cuda.runtime.memcpyAsync(
-                    dst.data_ptr() + d * block_bytes, src.data_ptr() + s * block_bytes,
-                    block_bytes, _MEMCPY_DEFAULT, stream.ptr,
-                )

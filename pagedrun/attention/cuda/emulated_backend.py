@@ -45,7 +45,7 @@ class EmulatedAttentionBackend:
         self.schedule = schedule
         self.prefill = prefill
         self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)
-        self._model_dtype: torch.dtype | None = None  # from the first forward; copy_blocks needs a variant
+        self._model_dtype: torch.dtype | None = None  # from the first forward: the variant of a later call that names none
         self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         # Tests hand in kernels from a module they already compiled (emulator builds cost seconds).
         self._kernels = kernels or (lambda variant: K.emulated_kernels(variant, schedule))
@@ -86,32 +86,3 @@ class EmulatedAttentionBackend:
             self.last_version = version
         return out
 
-    def copy_blocks(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
-        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> None:
-        """Copy-on-write in every layer; kv_scales: an int8 cache's per-row (k, v) scales per layer,
-        [num_blocks, block_size, num_kv_heads] each, copied along with their blocks."""
-        if not kv_caches or not pairs:
-            return
-        ker = self.kernels(kv_caches[0][0])
-        mapping = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-        jobs = [(kv_caches, ker.variant.copy_blocks_name)]
-        if ker.variant.copy_scales_name:
-            if kv_scales is None:
-                raise ValueError("emulated backend: copy_blocks on an int8 cache needs kv_scales")
-            jobs.append((kv_scales, ker.variant.copy_scales_name))
-        for tensors, name in jobs:
-            keys = [as_numpy(k) for k, _ in tensors]
-            values = [as_numpy(v) for _, v in tensors]
-            key_ptrs = np.array([a.ctypes.data for a in keys], dtype=np.int64)
-            value_ptrs = np.array([a.ctypes.data for a in values], dtype=np.int64)
-            numel = int(np.prod(tensors[0][0].shape[1:]))
-            # keys/values stay referenced until the launch returns: the addresses are only valid that long
-            ker.copy_blocks(key_ptrs, value_ptrs, mapping, numel, name)
-            del keys, values
-
-    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
-        """Swap in/out between two caches: a block copy per (src_block, dst_block), as in vLLM."""
-        for s, d in mapping:
-            dst[d].copy_(src[s])

@@ -51,8 +51,8 @@ CACHE_OPS_SOURCE = "cache_ops.cu"
 # alike), since v1 leaves one (head, sequence) block to walk the whole sequence.
 
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
-# gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y and
-# copy_blocks its block pairs, so longer launches are split into chunks of rows.
+# gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y, so longer
+# launches are split into chunks of rows.
 MAX_GRID_Y = 65535
 
 
@@ -215,23 +215,6 @@ class PagedKernels:
                 np.int32(num_kv_heads), np.int32(head_size), k_scales, v_scales,
             ),
         )
-
-    def copy_blocks(self, key_cache_ptrs, value_cache_ptrs, block_mapping, numel_per_block: int,
-                    kernel_name: str | None = None) -> None:
-        """All layers at once: *_ptrs int64 [num_layers] base addresses, block_mapping int64 [pairs, 2].
-        kernel_name: the variant's copy_scales_name copies an int8 cache's per-row scales (float,
-        numel_per_block = block_size * num_kv_heads) with the same kernel."""
-        num_layers, num_pairs = int(key_cache_ptrs.shape[0]), int(block_mapping.shape[0])
-        if num_layers == 0 or num_pairs == 0:
-            return
-        fn = self.function(kernel_name or self.variant.copy_blocks_name)
-        for lo in range(0, num_pairs, self.max_grid_y):  # pairs sit on gridDim.y
-            chunk = block_mapping[lo : lo + self.max_grid_y]
-            fn(
-                (num_layers, int(chunk.shape[0]), 1),
-                (min(numel_per_block, 1024), 1, 1),
-                (key_cache_ptrs, value_cache_ptrs, chunk, np.int32(numel_per_block)),
-            )
 
     # ------------------------------------------------------------ attention
 

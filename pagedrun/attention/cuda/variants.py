@@ -118,15 +118,6 @@ class KernelVariant:
     def reshape_and_cache_name(self) -> str:
         return f"reshape_and_cache_kernel<{self.ctype}{self._kv_arg}>"
 
-    @property
-    def copy_blocks_name(self) -> str:
-        return f"copy_blocks_kernel<{self.cache_ctype}>"
-
-    @property
-    def copy_scales_name(self) -> str | None:
-        """int8 caches keep a float scale per row beside each block; CoW copies those too."""
-        return "copy_blocks_kernel<float>" if self.kv_dtype == "int8" else None
-
     def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
         """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
         names = []
@@ -136,9 +127,7 @@ class KernelVariant:
         if "v2" in parts:
             names += [self.attention_name("v2", g) for g in groups] + [self.reduce_name]
         if "cache" in parts:
-            names += [self.reshape_and_cache_name, self.copy_blocks_name]
-            if self.copy_scales_name:
-                names.append(self.copy_scales_name)
+            names.append(self.reshape_and_cache_name)
         return names
 
 

@@ -34,7 +34,7 @@ def dequantize_tensor(x: torch.Tensor, kv: str, fp8_scale: float) -> torch.Tenso
 def kernels():
     T.emulator_or_skip()
     # the variants the backend asks for: K.group_for's group (the grouped 1-byte kernels), and one
-    # head per block where it has seen no query (copy_blocks before any forward)
+    # head per block where it has seen no query
     variants = {K.KernelVariant(d, D, bs, kv, g) for kv in K.QUANTIZED_KV_DTYPES for d, D, bs, h, kvh, _ in CASES
                 for g in (1, K.group_for(h, kvh, kv))}
     built = K.build_kernels(K.emulator_module_factory(), sorted(variants, key=str), np)
@@ -81,19 +81,3 @@ def test_scale_errors(kernels):
         EmulatedAttentionBackend(kv_cache_dtype="int4")
 
 
-def test_copy_blocks_moves_int8_scales(kernels):
-    backend = EmulatedAttentionBackend(kernels=kernels, kv_cache_dtype="int8")
-    backend._model_dtype = torch.float32  # as after a forward: picks the compiled variant
-    g = torch.Generator().manual_seed(2)
-    shape = (6, 16, 2, 64)
-    caches = [tuple(torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2)) for _ in range(2)]
-    scales = [tuple(torch.rand(shape[:3], generator=g) for _ in range(2)) for _ in range(2)]
-    expected = [[t.clone() for t in pair] for pair in caches + scales]
-    for pair in expected:
-        for t in pair:
-            t[[3, 5]] = t[[1, 1]]
-    with pytest.raises(ValueError, match="needs kv_scales"):
-        backend.copy_blocks(caches, [(1, 3)])
-    backend.copy_blocks(caches, [(1, 3), (1, 5)], kv_scales=scales)
-    for got, want in zip(caches + scales, expected):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -7,7 +7,7 @@ dtype's variants share one module, built for all three dtypes in parallel):
 - ragged seq_lens with 1, exact multiples of the block size and partial last blocks, shuffled block
   tables, every unused cache slot poisoned with NaN (a read past the end shows up as NaN);
 - round_robin and greedy schedules give bit-identical outputs (no races on shared memory);
-- reshape_and_cache (negative slots skipped), copy_blocks (several layers in one launch);
+- reshape_and_cache (negative slots skipped);
 - the emulated backend on mixed prefill (+cached prefix) / decode metadata, and the registry.
 
 The helpers here (make_case, reference, ...) are reused by test_kernel_mutations.py and gpu/.
@@ -366,29 +366,6 @@ def test_reshape_and_cache_strided_key(emu):
     assert (kc.reshape(-1, kvh, D)[2] == 7).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_copy_blocks_all_layers_one_launch(emu, dtype):
-    rng = np.random.default_rng(5)
-    variant = v2_variants(dtype)[0]
-    shape = (7, variant.block_size, 2, variant.head_size)
-    layers = [
-        (to_device_dtype(rng.standard_normal(shape), dtype), to_device_dtype(rng.standard_normal(shape), dtype))
-        for _ in range(3)
-    ]
-    expected = [(k.copy(), v.copy()) for k, v in layers]
-    pairs = np.array([[0, 4], [2, 5], [2, 6]], dtype=np.int64)
-    for k, v in expected:
-        for s, d in pairs:
-            k[d], v[d] = k[s], v[s]
-    key_ptrs = np.array([k.ctypes.data for k, _ in layers], dtype=np.int64)
-    value_ptrs = np.array([v.ctypes.data for _, v in layers], dtype=np.int64)
-    numel = int(np.prod(shape[1:]))
-    emu(dtype)[variant].copy_blocks(key_ptrs, value_ptrs, pairs, numel)
-    for (k, v), (ek, ev) in zip(layers, expected):
-        assert np.array_equal(k.view(np.uint8), ek.view(np.uint8))
-        assert np.array_equal(v.view(np.uint8), ev.view(np.uint8))
-
-
 # ------------------------------------------------------------------ launch helpers
 
 
@@ -552,24 +529,6 @@ def test_emulated_backend_matches_torch_backend(emu):
     n = sum(spec.query_lens)
     assert torch.allclose(a[:n], b[:n], atol=1e-5, rtol=1e-4)
     assert torch.equal(args[3], args_t[3]) and torch.equal(args[4], args_t[4])  # same cache writes
-
-
-def test_emulated_backend_copy_blocks(emu):
-    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
-
-    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
-    g = torch.Generator().manual_seed(1)
-    caches = [
-        (torch.randn((6, 8, 2, 80), generator=g).half(), torch.randn((6, 8, 2, 80), generator=g).half())
-        for _ in range(2)
-    ]
-    expected = [(k.clone(), v.clone()) for k, v in caches]
-    for k, v in expected:
-        k[[3, 5]] = k[[1, 1]]
-        v[[3, 5]] = v[[1, 1]]
-    backend.copy_blocks(caches, [(1, 3), (1, 5)])
-    for (k, v), (ek, ev) in zip(caches, expected):
-        assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
 # ------------------------------------------------------------------ registry

@@ -7,8 +7,7 @@ the NaN code; int8: a NaN row scale), so a read past the end shows up as NaN:
   float32 arithmetic and the output's rounding, so the model dtype's tolerance (TOL) applies;
 - the float64 attention over the *unquantized* K/V: the quantization error itself, bounded per KV
   dtype (QUANT_TOL, set from measured errors with a 2-3x margin).
-reshape_and_cache must produce exactly the reference quantizer's bits (and int8 row scales), and
-copy_blocks moves 1-byte blocks and the int8 scales.
+reshape_and_cache must produce exactly the reference quantizer's bits (and int8 row scales).
 """
 from __future__ import annotations
 
@@ -291,29 +290,3 @@ def test_reshape_and_cache_bits_equal_reference(emu, kv, dtype):
         assert (vc & 0x7F == (0x7E if kv == "fp8_e4m3" else 0x7B)).any(), "saturation untested"
 
 
-@pytest.mark.parametrize("kv", KV)
-def test_copy_blocks_moves_blocks_and_int8_scales(emu, kv):
-    variant = v2_variants(kv)[0]
-    rng = np.random.default_rng(5)
-    shape = (7, variant.block_size, 2, variant.head_size)
-    layers = [(rng.integers(-127, 128, shape).astype(variant.cache_np_dtype),
-               rng.integers(-127, 128, shape).astype(variant.cache_np_dtype)) for _ in range(3)]
-    scales = [(rng.random(shape[:3]).astype(np.float32), rng.random(shape[:3]).astype(np.float32)) for _ in range(3)]
-    pairs = np.array([[0, 4], [2, 5], [2, 6]], dtype=np.int64)
-    expected = [[a.copy() for a in pair] for pair in layers + scales]
-    for arrays in expected:
-        for a in arrays:
-            for s, d in pairs:
-                a[d] = a[s]
-    ker = emu(kv)[variant]
-
-    def ptrs(items, j):
-        return np.array([p[j].ctypes.data for p in items], dtype=np.int64)
-
-    ker.copy_blocks(ptrs(layers, 0), ptrs(layers, 1), pairs, int(np.prod(shape[1:])))
-    if variant.copy_scales_name:
-        ker.copy_blocks(ptrs(scales, 0), ptrs(scales, 1), pairs, int(np.prod(shape[1:3])), variant.copy_scales_name)
-    else:
-        expected[3:] = [[a.copy() for a in pair] for pair in scales]  # fp8: no per-row scales to move
-    for got, want in zip(layers + scales, expected):
-        assert all(np.array_equal(g, w) for g, w in zip(got, want))
