@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pagedrun.attention.kv_cache_spec import KVCacheSpec, kv_cache_spec
+from pagedrun.attention.kv_cache_spec import KVCacheSpec
 from pagedrun.errors import PagedrunError
 from pagedrun.worker.profiler import MemoryProfile, mem_available_bytes, run_profile
 
@@ -334,8 +334,9 @@ def requests_fit(blocks: list[int], num_blocks: int) -> RequestsFit:
 # ---------------------------------------------------------------- the engine's entry point
 
 def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int) -> MemoryPlan:
-    """Profile the loaded model and turn the recipe's budget into blocks (LLMEngine.__init__)."""
+                  max_model_len: int, kv_spec: KVCacheSpec) -> MemoryPlan:
+    """Profile the loaded model and turn the recipe's budget into blocks (Worker.__init__); kv_spec:
+    the cache's storage, resolved once from the recipe by the worker."""
     from pagedrun.attention.registry import make_backend
     from pagedrun.attention.scratch import plan_scratch
 
@@ -347,7 +348,6 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     profile = run_profile(model, model_cfg, backend, dtype=dtype, device=device,
                           block_size=recipe.cache.block_size, max_num_batched_tokens=sched.max_num_batched_tokens,
                           max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len)
-    kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, dtype)
     scratch, gather = plan_scratch(
         model_cfg=model_cfg, block_size=recipe.cache.block_size, max_model_len=max_model_len,
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,

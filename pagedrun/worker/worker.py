@@ -56,10 +56,12 @@ class Worker:
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config
         self.max_model_len = resolve_max_model_len(recipe.model.max_model_len, cfg)
-        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
-                                                self.max_model_len)
-        self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
+        # The KV cache spec (element type, scales, bytes per token) resolved once, here, and passed
+        # as an object to the memory plan, the backend and the cache engine.
         self.kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, self.dtype)
+        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
+                                                self.max_model_len, self.kv_spec)
+        self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
         self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, self.num_cpu_blocks,
