@@ -4,8 +4,8 @@
 // the AMX register state (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM).
 //
 // Why: a vdpbf16ps core does 32 bf16 products per instruction; one TDPBF16PS does 16 x 16 x 32.
-// At a decode step's 8-64 rows the vector GEMM stops near 200 GFLOP/s on a 2-core Sapphire Rapids,
-// the tiles reach several times that (docs/results.md).
+// At a decode step's 8-64 rows the tiles outrun the vector GEMM, by several times at 64 rows
+// (docs/log/2026-11-25-amx-gemm-prefetch.md).
 //
 // No new weight layout: the packed bf16 panels ([N / 32][K / 2][32] words, a word = the two bf16 of
 // one column at k = 2p, 2p + 1) already are AMX's "VNNI" B layout. Rows p0..p0+15 of a panel, 16
@@ -42,17 +42,17 @@ static_assert(kPanel == 32, "AMX B tiles are 16 columns, two per 32-column panel
 
 // Rows of x from which the tiles take the GEMM: every row count. With hot weights the vector kernel
 // wins at 1-2 rows (a tile pass costs the same at 1 row as at 16), but a decode step's weights come
-// from memory, and there the tiles stream them faster (30 layers of the default model's shapes and
-// its LM head, cold: 1 row 87.7 -> 80.2 ms, 2 rows 105.7 -> 80.5; one sequence decoding 62.9 ->
-// 70.0 tok/s, two 101.4 -> 135.6). One path at every row count also makes a row's sums independent
-// of the rows beside it (the two paths can differ in a sum's last bit: tests/models/test_model_ops.py).
+// from memory, and there the tiles stream them faster, at 1 and 2 rows too
+// (docs/log/2026-11-26-qwen3-runner-fp32-gemm-ceiling.md). One path at every row count also makes a
+// row's sums independent of the rows beside it (the two paths can differ in a sum's last bit:
+// tests/models/test_model_ops.py).
 constexpr int64_t kAmxMinRows = 1;
 
 // Weights are prefetched this far ahead of the tile loads (a thread's panels are contiguous, so
 // this runs on into its next panel): tile loads of cold memory stall the tile unit, which does not
-// overlap them with its math on its own. Cold-weight decode steps of the default model's 30 layers,
-// 2 threads, same process: 11.5 -> 10.1 ms at 32 rows, 13.0 -> 12.3 at 48, 14.7 -> 13.9 at 64
-// (2048 and 8192 bytes no better; next-panel prefetch and _MM_HINT_T1 worse).
+// overlap them with its math on its own. 4 KiB ahead shortened cold-weight decode steps; 2048 and
+// 8192 bytes were no better, next-panel prefetch and _MM_HINT_T1 worse
+// (docs/log/2026-11-25-amx-gemm-prefetch.md).
 constexpr int64_t kAmxPrefetchAhead = 4096;
 
 // Two vectors of a tile's fp32 sums (a panel row) rounded to bf16 by vcvtne2ps2bf16: nearest even,
@@ -63,7 +63,8 @@ inline __m512i amx_bf16_row(vgf a0, vgf a1) { return (__m512i)_mm512_cvtne2ps_pb
 // The epilogue of a finished block of rows: its sums (+ bias) rounded to bf16 and stored, or with
 // the gate/up pair of linear_packed_silu, silu(gate) * up. Run a few rows at a time from inside the
 // next block's k loop: run after the block, it waited for the tile unit to drain and the tiles
-// waited for it (a third of a 2048-row GEMM's time on the default model's shapes).
+// waited for it, a large share of a prefill GEMM's time
+// (docs/log/2026-11-25-fused-silu-amx-epilogue.md).
 struct PendingRows {
   const float* acc = nullptr;     // [32][kPanel] fp32 sums (gate's, with up)
   const float* up = nullptr;      // linear_packed_silu: up's sums, else null
@@ -153,8 +154,9 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
                                    bool silu = false) {
   if (M < kAmxMinRows || K % 32 || !amx_permitted()) return false;
   // A tiles read 16 whole rows: a row count that is not a multiple of 16 goes through a zero-padded
-  // copy, 64-byte aligned like torch's tensors (tile loads of rows that straddle cache lines ran a
-  // 2048-row GEMM at 1,000 GFLOP/s instead of 1,700). The calling thread's, kept between calls.
+  // copy, 64-byte aligned like torch's tensors (tile loads of rows that straddle cache lines are
+  // much slower: docs/log/2026-11-25-fused-silu-amx-epilogue.md). The calling thread's, kept
+  // between calls.
   const int64_t Mpad = (M + 15) / 16 * 16;
   if (Mpad != M) {
     static thread_local std::vector<uint16_t> padded;
@@ -168,9 +170,9 @@ inline bool linear_packed_bf16_amx(const uint16_t* x, const int32_t* packed, con
   }
   const int64_t num_panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
   // Rows in chunks that stay in L2 while every panel passes over them, 1 MiB of them: each chunk
-  // streams all the weights again, and the tiles compute fast enough that this shows (default-model
-  // shapes, 30 layers, 2 threads: 256 KiB as the vector kernels -> 1 MiB, 39.7 -> 35.6 ms at 256
-  // rows, 79.7 -> 73.6 at 430, 150.7 -> 137.9 at 1024). Machines with AMX have 2 MiB of L2 per core.
+  // streams all the weights again, and the tiles compute fast enough that this shows (1 MiB beat
+  // the vector kernels' 256 KiB at 256-1024 rows: docs/log/2026-11-25-amx-gemm-prefetch.md).
+  // Machines with AMX have 2 MiB of L2 per core.
   constexpr int64_t kAmxXBytesInL2 = 1024 * 1024;
   int64_t row_chunk = kAmxXBytesInL2 / (K * 2) / 32 * 32;
   if (row_chunk < 32) row_chunk = 32;

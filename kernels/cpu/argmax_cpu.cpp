@@ -1,9 +1,11 @@
 // Greedy sampling's argmax over each row of the logits (pagedrun/greedy.py), float32 or bfloat16
 // (read widened: exact, so the answer is the float32 logits' one without a float32 copy).
 //
-// Why a kernel: torch.argmax over a decode step's [64, 49152] logits took 2.5 ms on a 2-core Xeon,
-// 4-6% of the step; this runs at memory speed. Same answer as torch.argmax: the index of the first
-// maximum, and of the first NaN in a row that holds one (NaN counts as the largest value).
+// Why a kernel: torch.argmax over a decode step's [64, 49152] logits is several times slower, a
+// visible part of the step (docs/log/2026-11-25-fused-silu-amx-epilogue.md,
+// docs/log/2026-11-27-figures-from-code-comments.md); this runs at memory speed. Same answer as
+// torch.argmax: the index of the first maximum, and of the first NaN in a row that holds one (NaN
+// counts as the largest value).
 //
 // One pass, a vector at a time: each lane keeps its running maximum and the position where it was
 // first reached (a strictly larger value replaces it, an equal one does not); the row's answer is

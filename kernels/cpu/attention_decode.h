@@ -62,10 +62,11 @@ inline bool wide(int64_t hd) { return kVec > 8 && hd % kVec == 0; }
 // The next chunk's K and V rows, asked for one cache line of each at a time from inside the loops
 // below, so the requests stay spread over the chunk's arithmetic: issued in bursts (a head's share
 // of the chunk at once, as before) they filled the core's line-fill buffers, and the arithmetic
-// waited behind them (bf16 decode: 9.7 ms of a 26.6 ms step was memory alone, the rest did not overlap it).
+// waited behind them: memory and arithmetic did not overlap at all
+// (docs/log/2026-11-25-amx-gemm-prefetch.md).
 // Into L2 (prefetcht1), not L1: a chunk's K and V (24-48 KiB) and the next one's do not fit a 32 KiB
-// L1 together. The last chunk of an item asks for the first chunk of the thread's next item. Both:
-// 0.79-0.82x the time of 30 cold layers of decode on a Zen 4 (docs/design/cpu-kernels.md).
+// L1 together. The last chunk of an item asks for the first chunk of the thread's next item. Both
+// shortened cold decode on a Zen 4 (docs/log/2026-11-27-decode-prefetch-prefill-chunks.md).
 struct Prefetcher {
   const char *k = nullptr, *v = nullptr;  // the current row's slice, in K and in V
   int64_t stride = 0, bytes = 0, rows = 0, off = 0;

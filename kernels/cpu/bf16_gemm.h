@@ -32,7 +32,8 @@ constexpr bool kHaveBf16Dot = false;
 #endif
 // Registers: 2 * MR accumulators + 2 weight vectors (4 widened) + broadcasts.
 // 8-wide: 10 accumulators + 4 widened weight vectors + broadcasts fill the 16 AVX registers (6 rows
-// measured no better than 5; 4, before x was widened up front, 10% slower).
+// measured no better than 5; 4, before x was widened up front, slower:
+// docs/log/2026-11-27-figures-from-code-comments.md).
 constexpr int kTileMBf16 = kVec == 16 ? 12 : 5;
 // The x rows a bf16 tile reads: bf16 for vdpbf16ps (Dot), fp32 (widened once per call) otherwise.
 template <bool Dot>
@@ -60,15 +61,16 @@ inline void store_bf16_panel_row(uint16_t* o, vgf a0, vgf a1, const uint16_t* bi
 
 // How far ahead of its loads a bf16 tile asks for the panel's pair rows (64 of 128 bytes: 8 KiB),
 // into L2. It had no software prefetch: its few rows leave the FMAs idle while the weights stream,
-// and the hardware's prefetcher alone did not keep up. 30 cold layers, new / old time: vdpbf16ps
-// (AVX-512 with bf16, no AMX) 0.85 at 1 row, 0.71-0.75 at 2-8, 0.90 at 64; the widening path
-// (AVX2) 0.60-0.80 at 1-11 rows (docs/design/cpu-kernels.md, eleventh round).
+// and the hardware's prefetcher alone did not keep up: with it, cold-weight GEMMs of a few rows
+// take clearly less time on both the vdpbf16ps and the widening path
+// (docs/log/2026-11-26-qwen3-runner-fp32-gemm-ceiling.md).
 constexpr int64_t kBf16TilePrefetchPairs = 64;
 
 // x: bf16 rows (the vdpbf16ps path broadcasts a pair's 32 bits), or, on the widening path, the
 // same rows already widened to fp32 (XRow = float: one broadcast from memory per element, where a
-// bf16 element took a scalar load, shift and move first; with those, bf16 ran 1.8x slower than
-// fp32 on AVX2, against half the weight bytes).
+// bf16 element took a scalar load, shift and move first; with those, bf16 ran well behind fp32 on
+// AVX2 despite half the weight bytes: docs/log/2026-11-25-amx-gemm-prefetch.md,
+// docs/log/2026-11-27-figures-from-code-comments.md).
 template <int MR, typename XRow>
 inline void bf16_tile(const XRow* __restrict x, int64_t ldx, const int32_t* __restrict panel, int64_t K2,
                       const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
@@ -115,9 +117,9 @@ inline void bf16_tile_rows(int mr, const XRow* x, int64_t ldx, const int32_t* pa
 // From this many rows the widening path widens each panel once, into fp32 rows ordered as the
 // products are added (odd element of a pair, then even), and runs the fp32 tile over them: the
 // same FMAs in the same order, so the same bits, without widening every weight pair again for
-// each tile of rows. The per-tile widening took a fifth of the FMA ports, which left bf16 11-12%
-// behind fp32 on AVX2 (docs/design/cpu-kernels.md, sixth round); decode steps of a few rows are
-// bound by the weights' bytes, where the per-tile widening costs nothing.
+// each tile of rows. The per-tile widening took a fifth of the FMA ports, which left bf16 behind
+// fp32 on AVX2, where its GEMM is bound by arithmetic (docs/log/2026-11-25-fused-silu-amx-epilogue.md);
+// decode steps of a few rows are bound by the weights' bytes, where the per-tile widening costs nothing.
 constexpr int64_t kWidenPanelRows = 2 * kTileM;
 
 // Rows [0, rows) of xs (fp32, each pair swapped as the widening path's x) times one packed bf16
@@ -150,8 +152,9 @@ inline void bf16_panel_widened(const float* xs, int64_t ldx, int64_t rows, const
       store_v(r + kPanel + kVec, bf16_even(w1));
     }
     // Equal tiles: AVX2's 6-row tiles over 64 rows left a 4-row one, over 110 a 2-row one (4
-    // accumulator chains: half the FMA rate). With chunks of whole tiles (linear_packed_bf16), 3-4%
-    // less time at 20-64 rows (AVX2-built; docs/design/cpu-kernels.md, thirteenth round).
+    // accumulator chains: half the FMA rate). Chunks of whole tiles (linear_packed_bf16) and equal
+    // tiles took less time (docs/log/2026-11-26-bf16-off-the-tiles.md,
+    // docs/log/2026-11-27-figures-from-code-comments.md).
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t m = rows * t / tiles;
       const int mr = int(rows * (t + 1) / tiles - m);
@@ -216,7 +219,8 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
       } else {
         // Widened with each pair swapped (see bf16_tile), a 32-bit pair at a time into 64 bits:
         // the high bf16 (odd k) widened into the low float, the low one into the high float. A
-        // loop the compiler vectorises; element by element it ran for ~3% of a 64-row GEMM.
+        // loop the compiler vectorises; element by element it was a visible share of a GEMM
+        // (docs/log/2026-11-26-python-between-kernels.md).
         for (int64_t m = m0; m < m1; ++m) {
           uint64_t* row = reinterpret_cast<uint64_t*>(xw.data() + (m - m0) * K);
           for (int64_t p = 0; p < K / 2; ++p) {
@@ -247,11 +251,10 @@ inline int linear_packed_bf16_vec(const uint16_t* x, const int32_t* packed, cons
 
 // Which vector path bf16 GEMMs take where the build has vdpbf16ps. Both add each pair's products
 // in the same order, so the same bits (tests/models/test_model_ops.py), and the choice is speed alone,
-// which depends on the core: on a Sapphire Rapids-class Xeon with its tiles off, widening took
-// 0.71-0.79x vdpbf16ps's time at 16-2,048 rows (docs/design/cpu-kernels.md, thirteenth round), while
-// on a Zen 4 EPYC it took 1.6-2.3x at 16-1,024 rows (fourteenth round). So it is
-// timed, once per process, on a small GEMM bound by arithmetic (~1 ms); vdpbf16ps stays unless
-// widening is clearly faster.
+// which depends on the core: on a Sapphire Rapids-class Xeon with its tiles off widening was the
+// faster (docs/log/2026-11-26-bf16-off-the-tiles.md), on a Zen 4 EPYC vdpbf16ps, by more
+// (docs/log/2026-11-26-epyc-fourteenth-round.md). So it is timed, once per process, on a small GEMM
+// bound by arithmetic; vdpbf16ps stays unless widening is clearly faster.
 inline bool bf16_dot_measured_faster() {
   if constexpr (!kHaveBf16Dot) {
     return false;

@@ -70,7 +70,7 @@ int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_
   if (num_threads < 1) num_threads = 1;
   // Split from 8K elements (15 rows of 576): a decode step's rows arrive from a GEMM whose threads
   // each wrote half of every row, so one thread alone read half its input from the other core
-  // (bf16, 49-64 rows: 3.4-3.8 -> 2.8-3.0 ms per step of 61 calls).
+  // (docs/log/2026-11-25-vllm-cpu-xeon-session-later.md).
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= 8192)
   for (int64_t m = 0; m < M; ++m)
     rms_norm_row(x + m * ldx, residual ? residual + m * ldr : nullptr, weight, out + m * ldo, H, eps);
@@ -110,8 +110,10 @@ int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int
     const float* c = cos + positions[t] * half;
     const float* s = sin + positions[t] * half;
     if ((std::is_same<T, float>::value || kOneInstructionBf16) && half % kVec == 0 && half <= 256) {
-      // A vector at a time, cos and sin rounded once per token, not per head: bf16 at 64 tokens
-      // 35 -> 30 us (with bf16_v's one-instruction rounding; slower than g++'s own loop without it).
+      // A vector at a time, cos and sin rounded once per token, not per head: faster with bf16_v's
+      // one-instruction rounding, slower than g++'s own loop without it
+      // (docs/log/2026-11-26-prefill-attention-amx-tiles.md,
+      // docs/log/2026-11-27-figures-from-code-comments.md).
       alignas(64) float cr[256], sr[256];
       for (int64_t i = 0; i < half; i += kVec) {
         store_v(cr + i, rnd_v<T>(load_v(c + i)));

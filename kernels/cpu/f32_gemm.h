@@ -23,22 +23,22 @@ namespace {
 constexpr int kPanel = 2 * kVec;
 constexpr int64_t kKc = 16384 / (kPanel * 4);  // k rows of a panel slice: 16 KiB
 // With AVX-512 and more than 16 rows, slices of 24 KiB: fewer passes of each tile's accumulators
-// in and out, worth 2-6% from 32 rows on a Zen 4 (which then holds the slice in L1 only in part);
+// in and out, a few percent from 32 rows on a Zen 4 (which then holds the slice in L1 only in part);
 // at 16 rows and fewer (bound by the weights' bytes) and with AVX2's panels the 16 KiB slices were
-// as fast or faster (docs/design/cpu-kernels.md, sixteenth round).
+// as fast or faster (docs/log/2026-11-27-gemm-panel-slices.md).
 constexpr int64_t kKcWide = kVec == 16 ? 24576 / (kPanel * 4) : kKc;
 inline int64_t slice_rows_for(int64_t rows) { return rows > 16 ? kKcWide : kKc; }
 constexpr int64_t kXBytesInL2 = 256 * 1024;    // rows of x kept hot in L2 while all panels pass by
 // Up to this many rows (a decode step's) go in one chunk whatever K: a second chunk streams every
 // weight from memory again, which costs more than x's rows spilling from L2 to L3 (fp32, 30 layers
-// of the default model's 576 x 1536 down projection, cold: see docs/design/cpu-kernels.md).
+// of the default model's 576 x 1536 down projection, cold: docs/log/2026-11-26-python-between-kernels.md).
 constexpr int64_t kOneChunkRows = 64;
 
 // One row of a packed panel (kPanel floats, or kPanel bf16 pairs: kPanel * 4 bytes) asked for ahead
-// of the GEMMs' loads, into L2 (prefetcht1), not L1: 30 layers of cold weights 9-10% faster at 8-16
-// rows (fp32, AVX-512), 7-9% at 2-8 (AVX2), level from 32 rows (docs/design/cpu-kernels.md, eleventh
-// round). Likely why, not measured: an L1 prefetch holds one of the core's few line-fill buffers
-// until its line arrives.
+// of the GEMMs' loads, into L2 (prefetcht1), not L1: faster with cold weights at a decode step's
+// few rows, level from 32 rows (docs/log/2026-11-26-qwen3-runner-fp32-gemm-ceiling.md). Likely
+// why, not measured: an L1 prefetch holds one of the core's few line-fill buffers until its line
+// arrives.
 inline void prefetch_panel_row_l2(const void* row) {
   for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(static_cast<const char*>(row) + line, 0, 2);
 }

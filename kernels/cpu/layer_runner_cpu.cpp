@@ -1,12 +1,13 @@
 // The decoder-layer loop of pagedrun/models/llama.py, in one call per step.
 //
-// On 2 cores a decode step of the default model spends about 4 ms in the Python between its
-// kernels (some 120 us per layer: argument checks, ctypes conversions, tensor views, empty
-// outputs), 8% of a bench run. This file runs the same kernels in the same order with the same
-// arguments, from C: it computes nothing of its own, so its results are the Python loop's bit for
-// bit (tests/models/test_layer_runner.py). The kernels come as function pointers from the two libraries
-// that export them (model_ops_cpu.cpp, paged_attention_cpu.cpp), picked for the dtype by
-// pagedrun/models/layer_runner.py, which also decides when this path applies.
+// On 2 cores a decode step of the default model spent a noticeable share of its time in the Python
+// between its kernels (argument checks, ctypes conversions, tensor views, empty outputs, in every
+// layer: docs/log/2026-11-26-layer-runner-huge-pages.md,
+// docs/log/2026-11-27-figures-from-code-comments.md). This file runs the same kernels in the
+// same order with the same arguments, from C: it computes nothing of its own, so its results are
+// the Python loop's bit for bit (tests/models/test_layer_runner.py). The kernels come as function
+// pointers from the two libraries that export them (model_ops_cpu.cpp, paged_attention_cpu.cpp),
+// picked for the dtype by pagedrun/models/layer_runner.py, which also decides when this path applies.
 //
 // Per layer, for T tokens (buffers [T, width], rows contiguous):
 //

@@ -7,8 +7,9 @@
 // Python side (pagedrun/models/ops.py) then falls back to torch.
 //
 // Why a GEMM of our own: torch's CPU linear (MKL sgemm) is at the machine's peak for the thousands of
-// rows of a prefill step, but a decode step brings 1-64 and there it measured 25-85 GFLOP/s against
-// ~150 (docs/design/cpu-kernels.md; a per-call cost such as packing the weights is the likely cause).
+// rows of a prefill step, but a decode step brings 1-64 and there it ran at a fraction of that
+// (docs/log/2026-11-21-decode-gemm-fused-elementwise.md; a per-call cost such as packing the weights
+// is the likely cause).
 // Our weights never change, so they are packed once after loading, in panels of two vectors of
 // columns (32 with AVX-512, 16 otherwise; BLIS's microkernel shape, f32_gemm.h), and linear_packed_f32
 // runs every product of the model on them, decode and prefill alike. It is deterministic and independent of the thread count.

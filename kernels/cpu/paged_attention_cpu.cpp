@@ -63,7 +63,8 @@ struct Shape {
 // absolute position pos0 (= context_len + j0), for kv heads [kv0, kv1). A decode item takes every kv
 // head of its sequence, so each chunk of keys is read as whole cache rows, one contiguous run of
 // memory per block, instead of one head's 256-byte slices 1 KB apart (the hardware prefetcher
-// follows the former; measured 8 -> ~15 GB/s of K/V at batch 64); prefill items take one head each,
+// follows the former: docs/log/2026-11-21-decode-attention-by-sequence-huge-pages.md,
+// docs/log/2026-11-27-figures-from-code-comments.md); prefill items take one head each,
 // which bounds their rows (tokens x group) and spreads long prompts over the threads.
 struct Item {
   int64_t seq, tok0, ntok, pos0, kv0, kv1;
@@ -147,8 +148,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
       // together (attend_rows_tiled) when there are two or more, else one at a time. Tiled rows read
       // the chunk through fp32 copies (kt, vf), so their chunks may span blocks: at block size 16,
-      // 32 keys halve the softmax updates per key (prompts of 512-2,048 tokens: 0.83-0.91x the time
-      // on a Zen 4, docs/design/cpu-kernels.md); rows read in place keep to one block.
+      // 32 keys halve the softmax updates per key, which shortens long prompts' prefill
+      // (docs/log/2026-11-27-decode-prefetch-prefill-chunks.md); rows read in place keep to one block.
       const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
       const bool tiled = it.ntok - t_vis >= 2;
       const int64_t n = std::min<int64_t>({kKeysPerChunk, tiled ? end - p0 : sh.block_size - off, end - p0});

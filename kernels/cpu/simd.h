@@ -70,7 +70,8 @@ inline vgh bf16_v(vgf x) {
 #if defined(__AVX512BF16__) && !defined(PR_GEMM_VEC8)
   // vcvtneps2bf16 rounds the same way (nearest even, NaN made quiet the same way) in one instruction
   // instead of eight, but reads fp32 denormals as zero: those vectors (never seen in activations)
-  // take the integer route. The fused SiLU epilogue of a 2,048-row gate/up GEMM: 10% faster.
+  // take the integer route. It shortens the fused SiLU epilogue of a prefill gate/up GEMM
+  // (docs/log/2026-11-26-prefill-attention-amx-tiles.md).
   if (!_mm512_fpclass_ps_mask((__m512)x, 0x20)) return (vgh)_mm512_cvtneps_pbh((__m512)x);
 #endif
   const vgu u = (vgu)x;
@@ -84,8 +85,8 @@ inline vgf round_bf16_v(vgf x) { return widen_bf16_v(bf16_v(x)); }
 
 // exp(x) a vector at a time: exp_f32's method (vec8.h: Cephes' polynomial, 0 below -87.3, inf above
 // 88.7, NaN kept) with its multiply-adds fused and, with AVX-512, 2^n applied by vscalefps: half
-// the instructions (SiLU * up was 2.6x slower with exp than without). Within an ulp of exp_f32,
-// not bit-equal to it.
+// the instructions (exp was most of SiLU * up's time: docs/log/2026-11-27-figures-from-code-comments.md).
+// Within an ulp of exp_f32, not bit-equal to it.
 inline vgf exp_v(vgf x) {
   const vgf lo = broadcast_v(-87.3f), hi = broadcast_v(88.7f), shift = broadcast_v(12582912.0f);
   const vgf xc = x < lo ? lo : (x > hi ? hi : x);

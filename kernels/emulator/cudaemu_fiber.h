@@ -3,7 +3,7 @@
 // x86-64: a hand-written register swap. Only the callee-saved registers of the SysV ABI
 // (rbx, rbp, r12-r15) and rsp need saving because the switch is an ordinary function call
 // for the compiler; glibc's swapcontext also saves the signal mask with two syscalls per
-// switch, which made it about 7x slower (FACTS.md section 6).
+// switch, which made it several times slower (docs/log/2026-11-27-figures-from-code-comments.md).
 // Other architectures fall back to ucontext (slow but correct).
 #ifndef CUDAEMU_FIBER_H
 #define CUDAEMU_FIBER_H

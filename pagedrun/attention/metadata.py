@@ -60,7 +60,8 @@ class AttentionMetadata:
             starts.append(starts[-1] + q)
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         width = table_width or max(len(t) for t in block_tables)
-        # One tensor from padded lists: a tensor per row cost 6 us each, 0.4 ms for 64 sequences.
+        # One tensor from padded lists: a tensor per row was a visible cost of a decode step
+        # (docs/log/2026-11-26-python-between-kernels.md, docs/log/2026-11-27-figures-from-code-comments.md).
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         tables = tables.view(len(block_tables), width)  # [0, width] when there are no sequences
         return cls(

@@ -255,7 +255,8 @@ def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, sca
     invalid = ~valid[:, None, :, None]
     k.masked_fill_(invalid, 0.0)
     v.masked_fill_(invalid, 0.0)
-    # SDPA with GQA on the un-repeated K/V was about 2x faster on CPU than matmul+softmax.
+    # SDPA with GQA on the un-repeated K/V: faster on CPU than matmul+softmax, and no repeated K/V
+    # (docs/log/2026-11-27-figures-from-code-comments.md).
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2).to(k.dtype),  # [S, heads, 1, hd]
         k,

@@ -129,8 +129,8 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
             console.print(f"    of which committing KV pages: {row['kv_populate_s']:.2f} s", highlight=False)
 
     # The roof is timed again after the engines and the higher of the two is used: on a shared VM the
-    # same loop moved by 10-25% between minutes, and a roof caught in a slow minute would flatter
-    # every engine's fraction.
+    # same loop's speed moved between minutes, and a roof caught in a slow minute would flatter
+    # every engine's fraction (docs/log/2026-11-21-decode-attention-by-sequence-huge-pages.md).
     roof.measure_again()
     flops = roof.flops
     console.print(f"roof after the engines: {roof.samples[-1] / 1e9:,.1f} GFLOP/s; using {flops / 1e9:,.1f}",
@@ -260,7 +260,7 @@ def finish_row(row: dict, requests: list[BenchRequest], params: dict, flops: flo
     # Every prompt token the engine's prefix cache did not serve, and every output token, goes
     # through the layers; logits only where a token is sampled: the last prompt position and each
     # output but the last, i.e. once per output token. (Counting the cached prompt tokens too put
-    # engines above the peak on the shared-prefix workload: 121% for pagedrun.)
+    # engines above the peak on the shared-prefix workload: docs/log/2026-11-26-vllm-cpu-shared-prefix.md.)
     hits = row.get("prefix_hit_tokens") or 0
     row["useful_flops_per_s"] = 2 * (body * (out + prompt - hits) + params["head"] * out) / wall
     row["roofline_fraction"] = row["useful_flops_per_s"] / flops

@@ -95,7 +95,9 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     from pagedrun.report.report import cpu_kernels_status
 
     kernels = cpu_kernels_status(e)
-    if kernels is not None:  # without them a CPU run is ~1.6x slower: never silently
+    # Without them a CPU run is much slower (docs/log/2026-11-27-figures-from-code-comments.md):
+    # never silently.
+    if kernels is not None:
         console.print(f"cpu kernels: {kernels}", highlight=False, markup=False, soft_wrap=True)
     # The short form of `pagedrun profile-memory`: what the profile measured, what the budget became.
     for line in m.summary():

@@ -19,7 +19,9 @@ from pagedrun.errors import PagedrunError
 from pagedrun.io.input_files import read_input
 
 MAX_DEPTH = 16  # the deepest recipe value is a list in a section (sampling.stop): 3
-MAX_BYTES = 1 << 20  # the default recipe, comments and all, is 4 KB; PyYAML reads ~1.5 MB/s
+# The default recipe, comments and all, is 4 KB; PyYAML is slow per byte
+# (docs/log/2026-11-27-figures-from-code-comments.md).
+MAX_BYTES = 1 << 20
 
 
 class Loader(yaml.SafeLoader):

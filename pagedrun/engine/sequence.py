@@ -26,7 +26,8 @@ class SequenceStatus(enum.Enum):
 
 
 # eq=False: a sequence (or group) is an identity, not a value; the scheduler's `in` and `remove`
-# on its queues must not compare token lists field by field (that cost ~7% of a decode step).
+# on its queues must not compare token lists field by field (a visible share of decode time:
+# docs/log/2026-11-21-hf-idle-cpu-attention-kernel.md).
 @dataclass(eq=False)
 class Sequence:
     seq_id: int

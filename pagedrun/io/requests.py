@@ -249,8 +249,9 @@ class LineChecker:
                         batch=req.batch, model=req.model)
 
     def _sampling(self, overrides: dict[str, Any], lineno: int, structured_field: str) -> SamplingParams:
-        # Building SamplingParams is most of a line's check (~0.1 ms): lines of a large file mostly
-        # repeat a few sets of overrides, which share one (nothing mutates a request's params).
+        # Building SamplingParams is most of a line's check
+        # (docs/log/2026-11-27-figures-from-code-comments.md): lines of a large file mostly repeat a
+        # few sets of overrides, which share one (nothing mutates a request's params).
         key: Any = None
         if all(type(v) in _SCALARS for v in overrides.values()):  # the type too: True is not 1 here
             key = tuple(sorted((k, type(v), v) for k, v in overrides.items()))

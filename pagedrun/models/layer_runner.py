@@ -2,9 +2,10 @@
 
 The Python loop in llama.py calls a C++ kernel for every op of every layer, and pays for it
 between the calls: argument checks, ctypes conversions, tensor views and outputs. On 2 cores that
-is about 120 us a layer, 4 ms a decode step of a 30-layer model, 0.5 s of the default model's
-bench run (docs/design/cpu-kernels.md, "Tenth round"). The runner makes the same kernel calls with the
-same arguments from C, so its results are the loop's bit for bit; it has no arithmetic of its own.
+adds up, in every layer of every step, to a noticeable part of the default model's bench run
+(docs/log/2026-11-26-layer-runner-huge-pages.md, docs/log/2026-11-27-figures-from-code-comments.md).
+The runner makes the same kernel calls with the same arguments from C, so its results are the
+loop's bit for bit; it has no arithmetic of its own.
 
 It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in
 float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend whose C++ kernel

@@ -31,8 +31,10 @@ from pagedrun.models.layer_runner import LayerRunner
 
 class DirectCall:
     """For the modules inside a decoder layer: calling one runs its forward directly. nn.Module's
-    __call__ checks for hooks first, about 2 us a call, some 250 calls per step (1-2% of a decode
-    step on 2 cores). These modules take no hooks; the decoder layers, called as usual, do."""
+    __call__ checks for hooks first, some 250 calls per step: a measurable part of a decode step on
+    2 cores (docs/log/2026-11-26-python-between-kernels.md,
+    docs/log/2026-11-27-figures-from-code-comments.md). These modules take no hooks; the decoder
+    layers, called as usual, do."""
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -44,7 +46,8 @@ class Linear(DirectCall, nn.Linear):
 
     def reset_parameters(self) -> None:
         # Deliberately empty: load_weights() sets every weight (and fails on a missing one), so
-        # torch's random init would be work thrown away (0.95 s of start-up on the default model).
+        # torch's random init would be work thrown away, most of the default model's construction
+        # time (docs/log/2026-11-25-amx-gemm-prefetch.md).
         pass
 
     def process_weights_after_loading(self) -> None:
@@ -250,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         # Weights are allocated uninitialised (Linear and VocabEmbedding skip torch's random init:
         # load_weights() overwrites them all). Not on the meta device and then to_empty(): that
-        # route imports sympy through torch's decompositions, 0.3-0.95 s of start-up.
+        # route imports sympy through torch's decompositions, which slows start-up
+        # (docs/log/2026-11-25-amx-gemm-prefetch.md,
+        # docs/log/2026-11-27-figures-from-code-comments.md).
         with torch.device(device):
             self.model = LlamaModel(config, dtype)
             self.lm_head = (
@@ -287,7 +292,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as HF's head gives them. The sampler widens them to float32
-        where it computes with them; greedy rows need no copy (64 x 49,152 bf16: 0.4 ms a step)."""
+        where it computes with them; greedy rows need no copy (a float32 copy of a step's logits was
+        a visible cost: docs/log/2026-11-26-python-between-kernels.md)."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
         table = self.model.embed_tokens.weight  # tied: the embedding table is the head

@@ -8,8 +8,8 @@ only in reduction order, so greedy outputs match HF either way (tests/models/tes
 tests/engine/test_engine.py).
 
 Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill
-step but slow for the 1-128 rows of a decode step, where it reached 25-85 GFLOP/s against ~150
-(measured; docs/design/cpu-kernels.md). The model's weights are packed once after loading
+step but slow for the 1-128 rows of a decode step, where it reached a fraction of its prefill rate
+(docs/log/2026-11-21-decode-gemm-fused-elementwise.md). The model's weights are packed once after loading
 (`pack_weight`) and `linear_packed` runs every product on them, decode and prefill alike.
 The elementwise ops replace chains of 3-14 torch passes over the activations with one.
 
@@ -109,7 +109,8 @@ def torch_only():
 def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
     """The kernels for CPU tensors all of float32, or all of bfloat16 (the ops round like torch's bf16
     ops: in fp32, to bf16 at the end of each op), else None (torch then). A plain loop: this runs
-    some 250 times per decode step, and the generator it replaced cost a microsecond each time."""
+    some 250 times per decode step, and the generator it replaced was slower per call
+    (docs/log/2026-11-27-figures-from-code-comments.md)."""
     if not _enabled or not tensors:
         return None
     dtype = tensors[0].dtype

@@ -2,8 +2,9 @@
 first NaN where a row holds one), computed by the C++ kernel of kernels/cpu/argmax_cpu.cpp for
 float32 and bfloat16 logits on the CPU and by torch.argmax everywhere else.
 
-Why a kernel: torch.argmax over a decode step's [64, 49152] logits took 2.5 ms on a 2-core Xeon,
-the kernel 0.2-0.3 ms (docs/design/cpu-kernels.md). PAGEDRUN_CPU_ARGMAX=0 turns it off.
+Why a kernel: torch.argmax over a decode step's [64, 49152] logits is several times slower than
+the kernel, a visible part of the step (docs/log/2026-11-25-fused-silu-amx-epilogue.md,
+docs/log/2026-11-27-figures-from-code-comments.md). PAGEDRUN_CPU_ARGMAX=0 turns it off.
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ import torch
 def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
     """(len(grammars), ceil(vocab / 32)) int32 bitmasks, one row per grammar, in one pass.
 
-    In the calling thread: 64 rows take about 1 ms (measured), and a thread pool (llguidance's
-    LLExecutor) would compete for the cores torch's threads use for the model."""
+    In the calling thread: 64 rows are quick (docs/log/2026-11-23-structured-outputs.md), and a
+    thread pool (llguidance's LLExecutor) would compete for the cores torch's threads use for the
+    model."""
     words = (vocab_size + 31) // 32
     bitmask = torch.empty((len(grammars), words), dtype=torch.int32)
     for i, g in enumerate(grammars):

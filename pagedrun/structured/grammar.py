@@ -1,13 +1,13 @@
 """Constraints -> grammars -> one matcher per sequence, through llguidance (an optional extra).
 
-Why llguidance rather than xgrammar (vLLM offers both; measured here, docs/results.md
-"Structured outputs"): llguidance is one 3.1 MB wheel with no dependencies, where xgrammar's
-metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it compiled our
-schema set in 0.1-3 ms each against xgrammar's 0.4-34 ms; it refuses the JSON Schema keywords it
-cannot enforce (not, if/then, uniqueItems, dependentRequired) with an error naming them, where
-xgrammar compiled `not` and did not enforce it. Filling 64 masks cost the same in both (about
-1 ms per step). Its view of the tokenizer knows the model's special tokens, so `<|im_start|>` and
-friends never appear inside constrained text (xgrammar's view of SmolLM2 lists none, FACTS.md).
+Why llguidance rather than xgrammar (vLLM offers both; measured in
+docs/log/2026-11-23-structured-outputs.md): llguidance is one 3.1 MB wheel with no dependencies,
+where xgrammar's metadata pulls triton (a 286 MB wheel) and apache-tvm-ffi into a CPU install; it
+compiled our schema set faster; it refuses the JSON Schema keywords it cannot enforce (not,
+if/then, uniqueItems, dependentRequired) with an error naming them, where xgrammar compiled `not`
+and did not enforce it. Filling 64 masks cost the same in both. Its view of the tokenizer knows the
+model's special tokens, so `<|im_start|>` and friends never appear inside constrained text
+(xgrammar's view of SmolLM2 lists none, FACTS.md).
 
 The matcher of a sequence follows the sequence's output tokens: `Grammar.sync` compares the count
 it has accepted with the sequence's and rolls back or feeds the difference, so whatever the
@@ -126,7 +126,8 @@ class StructuredOutputManager:
 
         if tokenizer is None:
             raise PagedrunError("structured outputs need the model's tokenizer; this model has none")
-        # ~0.3 s for a 49k vocabulary: built once, on the first constrained request.
+        # Slow for a large vocabulary (docs/log/2026-11-27-figures-from-code-comments.md): built once,
+        # on the first constrained request.
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                          eos_token=sorted(eos_token_ids))
         self.eos_token_ids = set(eos_token_ids)

@@ -4,19 +4,18 @@ Torch allocates every activation of a step with malloc and frees it a moment lat
 request above its mmap threshold (128 KiB at start, raised on the fly towards 32 MiB as mmapped
 blocks are freed) with a fresh mmap, and gives free memory at the top of the heap back to the
 kernel once it exceeds the trim threshold. Either way the next step's activations land on pages the
-kernel must fault in and zero again: on the 29M bench model, 130,000-540,000 page faults and
-0.5-1.9 s of system time in a 8-9 s run, depending on how glibc's threshold happened to move
-(docs/design/cpu-kernels.md). Fixing the two thresholds keeps a step's freed activations in the heap for
-the next step: 76,000-91,000 faults (mostly the KV cache's first touch) and 0.25-0.35 s.
+kernel must fault in and zero again: on the 29M bench model, hundreds of thousands of page faults
+and a large share of the run in system time, depending on how glibc's threshold happened to move.
+Fixing the two thresholds keeps a step's freed activations in the heap for the next step, leaving
+mostly the KV cache's first touch (docs/log/2026-11-21-packed-weights-malloc-thresholds.md).
 
 What it costs: freed activations stay in the heap instead of going back to the kernel, and the heap
-fragments a little, so peak RSS grows: 688-764 MiB against 640-678 MiB with glibc's defaults on the
-29M bench run (+50-90 MiB, about a tenth). Against that, the run no longer lands in glibc's bad
-mode (about half of the default runs: 520,000 faults, 8.1-8.7 s instead of 7.5-8.0 s). Blocks above
+fragments a little, so peak RSS grows (about a tenth on the 29M bench run). Against that, the run
+no longer lands in glibc's bad mode (about half of the default runs, each slower). Blocks above
 MMAP_THRESHOLD (the KV cache) are still mmapped, so still committed only as they are written.
 Only pagedrun's engine sets them: applied to HF transformers' process, they made HF `generate`
-(static batch 64) about 6% slower (25.1-25.3 s -> 26.5-27.2 s), so `pagedrun bench` runs HF with
-glibc's defaults.
+(static batch 64) slower, so `pagedrun bench` runs HF with glibc's defaults
+(docs/log/2026-11-21-packed-weights-malloc-thresholds.md).
 
 PAGEDRUN_MALLOC_TUNING=0 leaves glibc's defaults alone. Not glibc (musl, macOS): nothing to do.
 """

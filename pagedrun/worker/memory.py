@@ -61,13 +61,15 @@ class MemoryPlan:
     # CUDA, from the plan: what torch's caching allocator may hold in all (gpu_memory_utilization x
     # total - what the profile measured outside torch), set once the cache is allocated
     # (worker/torch_cap.py). 0: no cap (CPU, cache.num_blocks). Without it torch kept freed blocks of
-    # many step shapes: 0.04-0.10 GiB over the limit on the H200 (2026-11-26), with no more live
-    # memory than the plan holds.
+    # many step shapes and went over the limit with no more live memory than the plan holds
+    # (docs/log/2026-11-26-h200-first-session.md).
     torch_cap_bytes: int = 0
     # Derived, not measured: kept out of the KV budget under the cap for what torch holds beyond the
     # profile's peak (blocks cached for step shapes the profile did not run, prefix gathers). With
-    # the cap and no headroom an H200 run (2026-11-26) ran out of memory at a 1,024-token step with
-    # 80 MiB left beside the cache; uncapped, torch had reserved 112 MiB over the profile.
+    # the cap and no headroom an H200 run ran out of memory at a 1,024-token step, and uncapped,
+    # torch had reserved beyond the profile's peak too
+    # (docs/log/2026-11-26-h200-second-session-grouped-decode.md,
+    # docs/log/2026-11-27-figures-from-code-comments.md).
     torch_headroom_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     profile: MemoryProfile | None = None

@@ -2,26 +2,25 @@
 
 The cache is allocated uninitialised (committed only as it is written: the memory report's RSS
 follows the blocks in use). On a CPU the price is a page fault the first time each 4 KiB page of
-each layer's K and V is written, from inside reshape_and_cache: on the default model's standard
-bench run (12.4k tokens, 30 layers) that was 1.07 s of a 23 s run (cache writes 1.29 s; 0.22 s
-with the cache touched beforehand), about 7 us per page in this VM. vLLM pays the same cost up
-front, at load, by allocating its cache with torch.zeros.
+each layer's K and V is written, from inside reshape_and_cache, which made the cache writes
+several times slower on the default model's standard bench run
+(docs/log/2026-11-23-vllm-cpu-third-session.md). vLLM pays the same cost up front, at load, by
+allocating its cache with torch.zeros.
 
 Here, when the scheduler hands out a block id beyond those already populated, `ensure` asks the
 kernel to populate the next chunk of blocks in every (layer, K/V) plane with
-madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): the same zeroed pages, without a trap per page
-(1.6 us per page against 2.8 us for a memset's faults, measured here). The block pool hands out
-never-used blocks in id order (0, 1, 2, ...) before reusing freed ones, so the used blocks are a
-prefix of the id range and one high-water mark describes them.
+madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): the same zeroed pages, without a trap per page, so
+cheaper per page than a memset's faults. The block pool hands out never-used blocks in id order
+(0, 1, 2, ...) before reusing freed ones, so the used blocks are a prefix of the id range and one
+high-water mark describes them.
 
 The planes are split over `threads` threads (the engine passes torch's thread count, idle while
 this runs: it is called before the step's model call). ctypes lets go of the GIL in madvise, and
-the kernel zeroes and maps each thread's pages on its own core: 0.64-0.85 us per page against
-1.2-1.3 on one thread, measured on a 2-core KVM guest. There, memory the guest has handed back to
-its host (virtio-balloon free page reporting) costs 10-15 us a page to take again, and 2 threads
-halved that too (6.3-6.6 us). On the default model's standard bench run (fp32, 782 blocks of 16)
-populating took 0.17-0.18 s on one thread and 0.14-0.16 on two while the guest's memory was
-recycled, and 0.9-1.1 s on one thread (block size 32) when it had been handed back.
+the kernel zeroes and maps each thread's pages on its own core, so two threads take about half
+the time per page. Memory a VM guest has handed back to its host (virtio-balloon free page
+reporting) costs many times more per page to take again, and two threads halve that too
+(docs/log/2026-11-27-epyc-vllm-cpu-session-later.md; figures this docstring gave:
+docs/log/2026-11-27-figures-from-code-comments.md).
 
 Where the call is not available (another OS, an older kernel, a CUDA cache), nothing happens and
 the pages fault in on first write as before.

@@ -23,8 +23,9 @@ import torch
 # Decoder layers the pass runs. Every layer has the same shapes and frees its intermediates before
 # the next one starts (only h and the residual cross a layer), so the peak of the first layers is
 # the peak of all of them; two, not one, so the pass also sees a layer that starts from the
-# allocator state another layer left. The default model's 30-layer pass took 3.1 s of a 5.7 s
-# start-up; the activation peaks of the two passes are compared in tests/worker/test_memory.py.
+# allocator state another layer left. All 30 layers of the default model were most of its start-up
+# (docs/log/2026-11-23-profile-pass-two-layers.md); the activation peaks of the two passes are
+# compared in tests/worker/test_memory.py.
 PROFILE_LAYERS = 2
 
 # What the profile pass samples with: the sampler's most expensive path (sort for top-k/top-p,
@@ -202,8 +203,9 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
     def step() -> None:
         # A prefill step, then a decode step of the same sequences: on a GPU each path loads its own
         # kernels on first launch (CUDA loads code lazily; cuBLAS picks other kernels for few rows),
-        # and what is loaded stays in use beside the KV cache. Measured on an H200 with the prefill
-        # alone: 0.04-0.10 GiB more in use than gpu_memory_utilization allowed, once the run decoded.
+        # and what is loaded stays in use beside the KV cache. On an H200, with the prefill alone the
+        # run used more than gpu_memory_utilization allowed once it decoded
+        # (docs/log/2026-11-26-h200-first-session.md).
         with _first_layers(model, num_layers):
             for batch in (inputs, decode) if decode else (inputs,):
                 logits = runner.execute(batch)

@@ -2,10 +2,10 @@
 still runs out of device memory.
 
 The plan (worker/memory.py) sizes the KV cache from gpu_memory_utilization x total less what the
-profile saw in use. Torch then keeps freed blocks of every step shape it meets; on an H200
-(2026-11-26) that took a run 0.04-0.10 GiB past the limit with no more live memory than the plan
-held. Capped at the plan's share, the allocator frees its cached blocks and retries before it
-reports out of memory.
+profile saw in use. Torch then keeps freed blocks of every step shape it meets; on an H200 that
+took a run past the limit with no more live memory than the plan held
+(docs/log/2026-11-26-h200-first-session.md). Capped at the plan's share, the allocator frees its
+cached blocks and retries before it reports out of memory.
 """
 from __future__ import annotations
 

@@ -36,10 +36,11 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified addres
 def as_cupy(t: torch.Tensor):
     """A CuPy array sharing t's memory, with t's own strides (bf16 as an int16 view).
 
-    Built from t's address, shape and strides (from_pointer): DLPack costs 79 us a call on the
-    H200's host (torch's __dlpack__ looks up the current stream and device each time), 6 calls per
-    layer and step: 1.8 s of a 7.1 s profiled run. The first CHECKED_WRAPS calls of a process
-    compare it with the DLPack import and keep DLPack for good if any differs."""
+    Built from t's address, shape and strides (from_pointer): DLPack is slow per call (torch's
+    __dlpack__ looks up the current stream and device each time), and at 6 calls per layer and step
+    it was a large share of a host-bound GPU run (docs/log/2026-11-26-h200-first-session.md). The
+    first CHECKED_WRAPS calls of a process compare it with the DLPack import and keep DLPack for good
+    if any differs."""
     global _pointer_wraps_ok, _checked
     import cupy
 
@@ -130,9 +131,9 @@ class CupyAttentionBackend:
         self._model_dtype: torch.dtype | None = None  # from the first forward: the variant of a later call that names none
         self._num_heads: int | None = None  # the query's heads, from the first forward (the variant's group)
         self.last_version: str | None = None
-        # Per-call host work that does not change between layers and steps (on the H100's host a
-        # step was 35 ms of Python and launches for 30 layers): each layer's cache views, and
-        # torch's stream as CuPy's, keyed by what they wrap.
+        # Per-call host work that does not change between layers and steps (a GPU step is bound by
+        # its Python and launches: docs/log/2026-11-26-h100-second-session.md): each layer's cache
+        # views, and torch's stream as CuPy's, keyed by what they wrap.
         self._cache_views: dict[int, tuple[weakref.ref, object]] = {}
         self._streams: dict[int, object] = {}
 

@@ -45,10 +45,9 @@ ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
 
 # v1 only for sequences of one partition (<= PARTITION_SIZE tokens). vLLM keeps v1 up to 8,192
-# tokens when (sequences x heads) > 512; on the H200 (2026-11-26, bf16 head 128, 32/8 heads, K/V
-# past 4x L2) v2 was faster at every length of two partitions and more: 8 x 1024 743 vs 360 GB/s,
-# 128 x 1024 1,296 vs 1,096, 64 x 4096 1,391 vs 841, 16 x 8192 1,297 vs 651 (fp8 and int8 caches
-# alike), since v1 leaves one (head, sequence) block to walk the whole sequence.
+# tokens when (sequences x heads) > 512; on an H200 v2 was faster at every length of two partitions
+# and more, 1-byte caches alike (docs/log/2026-11-26-h200-first-session.md), since v1 leaves one
+# (head, sequence) block to walk the whole sequence.
 
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (max_dynamic_shared_size_bytes)
 # gridDim.y and .z are at most 65,535: the attention grid puts (pseudo-)sequences on y, so longer
@@ -96,10 +95,10 @@ def use_v1(max_seq_len: int) -> bool:
     return num_partitions(max_seq_len) == 1
 
 
-# A grouped launch has num_heads / group times fewer blocks. On the H200 (2026-11-26, bf16 head 128,
-# 32/8 heads, group 4, 132 SMs) 8 sequences x 1024 tokens gave v2 128 grouped blocks (569 GB/s)
-# against 512 one-head blocks (743), while every launch of 1,024 grouped blocks or more beat the
-# one-head kernel 1.6-2.1x: under two blocks per SM the group is dropped.
+# A grouped launch has num_heads / group times fewer blocks. On an H200 (132 SMs) a launch of fewer
+# grouped blocks than SMs was slower than the one-head kernel's, while every launch of 1,024 grouped
+# blocks or more beat it clearly (docs/log/2026-11-26-h200-second-session-grouped-decode.md): under
+# two blocks per SM the group is dropped.
 MIN_BLOCKS_PER_SM = 2
 
 

@@ -135,7 +135,8 @@ def group_for(num_heads: int, num_kv_heads: int, kv_dtype: str = "auto") -> int:
     """Query heads per block for a model: the largest divisor of num_heads / num_kv_heads up to
     MAX_GROUP (a ratio of 16 takes two blocks of 8 per KV head), MAX_QUANTIZED_GROUP for a 1-byte
     cache (more registers per head: 120-168 at 4); 1 for MHA. On an H200 the grouped kernels of a
-    1-byte cache read 1.8x faster than one head per block (docs/guide/gpu.md)."""
+    1-byte cache read faster than one head per block
+    (docs/log/2026-11-26-h200-fourth-session-quantized-grouped.md)."""
     limit = MAX_GROUP if kv_dtype == "auto" else MAX_QUANTIZED_GROUP
     ratio = num_heads // num_kv_heads if num_kv_heads > 0 and num_heads % num_kv_heads == 0 else 1
     return max(d for d in range(1, limit + 1) if ratio % d == 0)

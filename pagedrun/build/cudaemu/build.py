@@ -99,7 +99,8 @@ def _machine_flags() -> list[str]:
 
 def _sanitize_flags(sanitize: str | None) -> list[str]:
     if sanitize is None:
-        # -O1 compiles about a third faster, -O2 runs faster: PAGEDRUN_EMU_OPT picks.
+        # -O1 compiles faster, -O2 runs faster (docs/log/2026-11-27-figures-from-code-comments.md):
+        # PAGEDRUN_EMU_OPT picks.
         return [os.environ.get("PAGEDRUN_EMU_OPT", "-O2")]
     if sanitize == "address":
         return ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address"]
