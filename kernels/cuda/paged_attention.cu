@@ -10,7 +10,7 @@
 //   out          [num_seqs, num_heads, head_size]
 //
 // Grid (num_heads, num_seqs[, max_num_partitions]); NUM_THREADS (128) threads = 4 warps.
-// Rules that keep this file emulatable (docs/design/cuda-kernels.md, FACTS section 6): dynamic shared memory only
+// Rules that keep this file emulatable (docs/design/cuda-kernels.md, docs/design/emulator.md): dynamic shared memory only
 // as `extern __shared__`, nothing read from shared memory before it is written, every *_sync
 // collective called by all 32 lanes from one site with the full mask, __syncthreads only in
 // block-uniform control flow, no inline PTX, only NVRTC-provided headers.

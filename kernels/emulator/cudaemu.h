@@ -1,5 +1,5 @@
 // cudaemu: run unchanged CUDA kernel sources on the CPU. Force-included (g++ -include) before the
-// .cu file, which is compiled as C++20. See pagedrun/cudaemu/ for the driver and FACTS.md section 6.
+// .cu file, which is compiled as C++20. See pagedrun/build/cudaemu/ for the driver and docs/design/emulator.md.
 //
 // Rules that keep a kernel emulatable: extern "C" __global__ entry points (or name_expressions for
 // templates); dynamic shared memory only as `extern __shared__ T name[]`; never rely on shared

