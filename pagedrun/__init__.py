@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from pagedrun.sampling_params import SamplingParams
 
         return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedrun import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(name)

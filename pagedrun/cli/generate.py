@@ -66,7 +66,7 @@ class LocalRun:
                             interrupted=interrupted)
 
     def plot(self, path: Path) -> None:
-        from pagedrun.report.report import plot_blocks
+        from pagedrun.report.plot import plot_blocks
 
         plot_blocks(self.llm.engine, path)
 

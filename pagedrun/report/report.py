@@ -309,31 +309,3 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("ITL p50/p90/p99", _ms(lat["itl_s"])),
     ]
     return rows
-
-
-def plot_blocks(engine, path: Path) -> None:
-    """Blocks in use (and free blocks still cached) against capacity over time, preemptions marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = engine.steps
-    t = [s.t_end for s in steps]
-    used = [s.blocks_in_use for s in steps]
-    cached = [s.blocks_in_use + s.blocks_cached_free for s in steps]
-    fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.fill_between(t, used, cached, step="post", alpha=0.25, color="tab:green", label="free, prefix-cached")
-    ax.step(t, used, where="post", color="tab:blue", label="blocks in use")
-    ax.axhline(engine.memory.num_gpu_blocks, color="k", ls="--", lw=1, label="capacity")
-    for attr, color, label in (("preempted_recompute", "tab:red", "preemption (recompute)"),
-                               ("preempted_swap", "tab:orange", "preemption (swap)")):
-        pts = [(s.t_end, s.blocks_in_use) for s in steps if getattr(s, attr)]
-        if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color=color, zorder=3, label=label)
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel(f"KV blocks ({engine.memory.block_size} tokens)")
-    ax.set_ylim(0, engine.memory.num_gpu_blocks * 1.08)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)

@@ -103,7 +103,7 @@ def test_prefix_sharing_counts_shared_blocks_once(model_dir):
 
 
 def test_preemptions_are_counted_and_outputs_unchanged(model_dir, tmp_path):
-    from pagedrun.report.report import plot_blocks
+    from pagedrun.report.plot import plot_blocks
 
     prompts = distinct_prompts([8, 8])
     ref, _ = run(make_llm(model_dir), prompts, max_tokens=12)
