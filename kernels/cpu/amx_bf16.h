@@ -1,5 +1,5 @@
 // The bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later: amx_tile + amx_bf16), for
-// kernels/cpu/model_ops_cpu.cpp's linear_packed_bf16. Compiled only where pagedrun/cpu_build.py
+// kernels/cpu/model_ops_cpu.cpp's linear_packed_bf16. Compiled only where pagedrun/build/cpu.py
 // passes -mamx-tile -mamx-bf16 (the CPU has both); used only once the kernel has granted the process
 // the AMX register state (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM).
 //

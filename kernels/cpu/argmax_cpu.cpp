@@ -1,4 +1,4 @@
-// Greedy sampling's argmax over each row of the logits (pagedrun/greedy.py), float32 or bfloat16
+// Greedy sampling's argmax over each row of the logits (pagedrun/sample/argmax.py), float32 or bfloat16
 // (read widened: exact, so the answer is the float32 logits' one without a float32 copy).
 //
 // Why a kernel: torch.argmax over a decode step's [64, 49152] logits is several times slower, a

@@ -1,7 +1,7 @@
 // The machine's arithmetic roof, measured: `pagedrun bench` divides useful FLOP/s by it.
 //
 // A register-only loop of independent multiply-add chains at the widest vector the build has
-// (pagedrun/cpu_build.py: AVX-512 where the CPU has it, else AVX2 + FMA, else plain SSE through GCC
+// (pagedrun/build/cpu.py: AVX-512 where the CPU has it, else AVX2 + FMA, else plain SSE through GCC
 // vector extensions). No memory traffic, so it is the FMA ports alone: the best any kernel built the
 // same way could do. 12 chains cover an FMA latency of 4-6 cycles on two ports (a chain must not wait
 // for its previous result). The bf16 roof uses vdpbf16ps (2 products per fp32 lane per instruction)

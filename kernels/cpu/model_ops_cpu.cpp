@@ -1,7 +1,7 @@
 // The model's own CPU ops, float32 (issue 8): a GEMM for the model's linear layers, and the
 // elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
 //
-// Built and loaded like paged_attention_cpu.cpp (pagedrun/cpu_build.py: g++ -O3 -fopenmp -shared,
+// Built and loaded like paged_attention_cpu.cpp (pagedrun/build/cpu.py: g++ -O3 -fopenmp -shared,
 // -mavx2 -mfma and -mavx512* when the machine has them; ctypes, raw pointers, no torch headers).
 // Every function returns 0, or a negative status before writing anything when an argument is out of range; the
 // Python side (pagedrun/models/ops.py) then falls back to torch.

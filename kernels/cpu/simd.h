@@ -1,6 +1,6 @@
 // The packed GEMMs' vector (kernels/cpu/model_ops_cpu.cpp): 16 floats with AVX-512, else 8
 // (PR_GEMM_VEC8 forces 8, for the tests), with the FMA and bf16 helpers the GEMMs need. Part of every
-// CPU kernel's cache key (pagedrun/cpu_build.py hashes kernels/cpu/*.h).
+// CPU kernel's cache key (pagedrun/build/cpu.py hashes kernels/cpu/*.h).
 #pragma once
 
 #if defined(__FMA__) || defined(__AVX512F__)

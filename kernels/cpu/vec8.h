@@ -1,7 +1,7 @@
 // Shared by the C++ CPU kernels (paged_attention_cpu.cpp, model_ops_cpu.cpp): 8-float SIMD through
 // GCC vector extensions (one AVX register, or two SSE registers in a build without -mavx2; no
 // intrinsics, so it builds anywhere g++ does), fixed-order lane sums, and a vectorisable expf.
-// pagedrun/cpu_build.py compiles every kernel with this directory on the include path and keys its
+// pagedrun/build/cpu.py compiles every kernel with this directory on the include path and keys its
 // cache on the headers here too.
 #pragma once
 

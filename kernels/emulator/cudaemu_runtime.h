@@ -56,7 +56,7 @@ static const char* const kKindNames[] = {
   "__reduce_max_sync", "__reduce_and_sync", "__reduce_or_sync", "__reduce_xor_sync",
 };
 
-// Passed from Python (ctypes mirror in pagedrun/cudaemu/_module.py: keep in sync).
+// Passed from Python (ctypes mirror in pagedrun/build/cudaemu/module.py: keep in sync).
 struct LaunchCfg {
   uint32_t grid[3];
   uint32_t block[3];

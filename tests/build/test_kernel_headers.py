@@ -1,14 +1,14 @@
 """Every header of kernels/cpu/ is self-contained (issue 35): it compiles on its own, so it includes
 what it uses and depends on nothing a .cpp defines before including it.
 
-Each header is compiled alone (g++ -fsyntax-only -x c++ header.h) with the flags pagedrun/cpu_build.py
+Each header is compiled alone (g++ -fsyntax-only -x c++ header.h) with the flags pagedrun/build/cpu.py
 builds the kernels with (BASE_FLAGS, -I kernels/cpu), once for each ISA flag set machine_flags() can
 pick (from the CPU flags that tell them apart), and once more as the tests' 8-wide GEMM build
 (-DPR_GEMM_VEC8) on the widest. A header that needs something only an including .cpp provided fails
 here under its name. The .cpp files and headers also keep their #includes at the top, ahead of any
 code, so no header is included after names it might come to depend on.
 
-Syntax only and in parallel: a few seconds. Skipped without the compiler cpu_build.py uses.
+Syntax only and in parallel: a few seconds. Skipped without the compiler pagedrun/build/cpu.py uses.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pagedrun import cpu_build
+from pagedrun.build import cpu as cpu_build
 
 HEADERS = sorted(cpu_build.KERNEL_DIR.glob("*.h"))
 SOURCES = sorted(cpu_build.KERNEL_DIR.glob("*.cpp")) + HEADERS
