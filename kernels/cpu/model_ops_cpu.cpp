@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-// Each header includes what it uses (tests/test_kernel_headers.py compiles each alone); they are
+// Each header includes what it uses (tests/build/test_kernel_headers.py compiles each alone); they are
 // listed in dependency order, which is the order their definitions had in this file but for
 // elementwise.h's (silu_and_mul, which the bf16 GEMMs call, used to follow them).
 #include "simd.h"

@@ -34,7 +34,7 @@
 #include <omp.h>
 #endif
 
-// Each header includes what it uses (tests/test_kernel_headers.py compiles each alone); they are
+// Each header includes what it uses (tests/build/test_kernel_headers.py compiles each alone); they are
 // listed in the order their definitions had when they were all in this file: in another order g++
 // lays out stack slots and pooled constants differently (the same instructions at other offsets).
 #include "amx_tiles.h"             // amx_configure, amx_switch (empty without AMX)

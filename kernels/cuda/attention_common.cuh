@@ -1,4 +1,4 @@
-// What the attention kernels share (kernels/paged_attention.cu): loop pragmas that the emulator
+// What the attention kernels share (kernels/cuda/paged_attention.cu): loop pragmas that the emulator
 // ignores, warp constants, aligned vector loads, and block-wide max / sum of N values at once.
 // Inlined by pagedrun.attention.kernels.load_source for NVRTC and the emulator; nvcc includes it.
 #pragma once
