@@ -146,8 +146,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        victims: set[int] = set()  # id() of the groups preempted in this loop to make room
         for group in list(self.running):
-            if group not in self.running:  # preempted earlier in this loop as a victim
+            if id(group) in victims:  # preempted earlier in this loop as a victim
                 continue
             scheduled_before = len(out.scheduled)
             copies_before = len(out.blocks_to_copy)
@@ -171,6 +172,7 @@ class Scheduler:
                         preempted_self = True
                         break
                     self._preempt(victim, out, allow_swap=True)
+                    victims.add(id(victim))
                 if preempted_self:
                     break
                 if need > 0:

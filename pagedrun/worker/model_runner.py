@@ -47,6 +47,10 @@ class ModelRunner:
         """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs."""
         ids, positions, meta = self.build_metadata(inputs)
         hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+        if all(inp.sample and len(inp.token_ids) == 1 for inp in inputs):
+            # A decode-only step: every row of hidden is a last token, in order. No gather (on a
+            # GPU, no index list copied to the device mid-step).
+            return self.model.compute_logits(hidden)
         last = []
         end = 0
         for inp in inputs:
