@@ -132,7 +132,7 @@ class LLMEngine:
             if s.group.first_scheduled_time is None:
                 s.group.first_scheduled_time = t_start
         j = 0
-        touched_groups: list[SequenceGroup] = []
+        touched_groups: set[int] = set()  # id() of the groups that produced tokens this step
         for s, fan, gens in row_owner:
             tokens = result.token_ids[j : j + fan]
             lps = result.logprobs[j : j + fan]
@@ -152,8 +152,8 @@ class LLMEngine:
                     self.scheduler.free_seq(seq)
             if group.first_token_time is None:
                 group.first_token_time = now
-            if group not in touched_groups:
-                touched_groups.append(group)
+            if id(group) not in touched_groups:
+                touched_groups.add(id(group))
                 group.token_times.append(now)
         finished = []
         for g in self.scheduler.remove_finished():

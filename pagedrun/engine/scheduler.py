@@ -158,7 +158,11 @@ class Scheduler:
                 if num_new == 0:
                     continue
                 need = seq.num_computed_tokens + num_new - self.kv.get_num_tokens(seq.seq_id)
-                while need > 0 and not self.kv.can_append_slots(seq.seq_id, need):
+                while need > 0:
+                    pairs = self.kv.try_append_slots(seq.seq_id, need)
+                    if pairs is not None:
+                        out.blocks_to_copy.extend(pairs)
+                        break
                     victim = self.running[-1]
                     if victim is group:
                         budget += sum(s.num_new_tokens for s in out.scheduled[scheduled_before:])
@@ -175,8 +179,6 @@ class Scheduler:
                     victims.add(id(victim))
                 if preempted_self:
                     break
-                if need > 0:
-                    out.blocks_to_copy.extend(self.kv.append_slots(seq.seq_id, need))
                 self._schedule_seq(out, group, seq, num_new)
                 budget -= num_new
         return budget
@@ -293,8 +295,10 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def remove_finished(self) -> list[SequenceGroup]:
-        done = [g for g in self.running if g.is_finished]
-        self.running = [g for g in self.running if not g.is_finished]
+        done, running = [], []
+        for g in self.running:  # one pass: this runs after every step
+            (done if g.is_finished else running).append(g)
+        self.running = running
         return done
 
     def abort_all(self) -> list[SequenceGroup]:

@@ -101,12 +101,17 @@ class SequenceGroup:
         live = [s.status for s in self.seqs if not s.is_finished]
         return live[0] if live else SequenceStatus.FINISHED
 
+    # The status read directly, not through Sequence.is_finished: both run for every group at
+    # every step (scheduler, engine, report).
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status is not SequenceStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     @property
     def max_num_seqs(self) -> int:

@@ -130,7 +130,11 @@ class KVCacheManager:
         table = self._table(seq_id)
         if seq_id in self._swapped:
             return
-        cache_blocks(self.gpu_pool, self.hash_fn, table, self._progress[seq_id], token_ids, num_computed_tokens)
+        prog = self._progress[seq_id]
+        if prog.broken or min(num_computed_tokens, len(token_ids), table.num_tokens) // self.block_size \
+                <= prog.num_cached_blocks:
+            return  # no block became full (most decode steps): nothing to register
+        cache_blocks(self.gpu_pool, self.hash_fn, table, prog, token_ids, num_computed_tokens)
         self._sync_evictions()  # a stale entry may have been dropped for ours
 
     def reset_prefix_cache(self) -> int:
@@ -198,12 +202,21 @@ class KVCacheManager:
 
     def append_slots(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]]:
         """Reserve num_new_tokens more slots; returns copy-on-write pairs [(src, dst)] (0 or 1)."""
-        table = self._gpu_table(seq_id)
-        grow, cow = self._plan_append(table, num_new_tokens)
-        if grow + int(cow) > self.gpu_pool.num_free_blocks:
+        pairs = self.try_append_slots(seq_id, num_new_tokens)
+        if pairs is None:
+            grow, cow = self._plan_append(self._gpu_table(seq_id), num_new_tokens)
             raise NoFreeBlocksError(
                 f"append_slots seq {seq_id}: needs {grow + int(cow)} blocks, {self.gpu_pool.num_free_blocks} free"
             )
+        return pairs
+
+    def try_append_slots(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """append_slots when the blocks are there, else None and nothing changed: one plan where
+        can_append_slots + append_slots would make two (the scheduler's per-sequence step)."""
+        table = self._gpu_table(seq_id)
+        grow, cow = self._plan_append(table, num_new_tokens)
+        if grow + int(cow) > self.gpu_pool.num_free_blocks:
+            return None
         pairs: list[tuple[int, int]] = []
         if cow:
             # A fork sibling still reads this partly filled block: write into a private copy.
@@ -214,7 +227,8 @@ class KVCacheManager:
             self.gpu_pool.free_blocks([old])
             pairs.append((old.block_id, new.block_id))
             self.stats.cow_copies += 1
-        table.block_ids.extend(b.block_id for b in self._get_new_gpu_blocks(grow))
+        if grow:  # most decode steps fill the last block without a new one
+            table.block_ids.extend(b.block_id for b in self._get_new_gpu_blocks(grow))
         table.num_tokens += num_new_tokens
         return pairs
 
