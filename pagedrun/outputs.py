@@ -16,6 +16,8 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list[dict] | None = None
+    # The sum of the sampled tokens' logprobs, when the request asked for logprobs (vLLM's field).
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -28,6 +30,7 @@ class RequestOutput:
     num_preemptions: int = 0
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    prompt: str | None = None  # the prompt's text when it was given as text (LLM.generate / chat)
 
     @property
     def finished(self) -> bool:

@@ -210,9 +210,11 @@ class LLMEngine:
                 return self._error(g, g.parent.error)
         first = groups[0]
         seqs = [s for grp in groups for s in grp.seqs]
+        with_logprobs = first.sampling.logprobs is not None
         completions = [
             CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
-                             s.logprobs if first.sampling.logprobs is not None else None)
+                             s.logprobs if with_logprobs else None,
+                             sum(e["logprob"] for e in s.logprobs) if with_logprobs else None)
             for i, s in enumerate(seqs)
         ]
         arrival = first.arrival_time

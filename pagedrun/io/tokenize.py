@@ -37,15 +37,31 @@ def need_tokenizer(tokenizer: Any, kind: str) -> None:
 
 
 def _chat_token_ids(messages: list[dict], tokenizer: Any, max_model_len: int) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
+    return chat_token_ids(messages, tokenizer, max_model_len)[1]
+
+
+def chat_token_ids(messages: list[dict], tokenizer: Any, max_model_len: int, *, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, chat_template: str | None = None,
+                   tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """(the rendered prompt, its token ids) for a conversation, with transformers' template
+    arguments (LLM.chat's, as vLLM's LLM.chat passes them)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise LineError("messages", "the model's tokenizer has no chat template; use prompt")
+    options = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        options["continue_final_message"] = True
+    if tools is not None:
+        options["tools"] = tools
+    if chat_template is not None:
+        options["chat_template"] = chat_template
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **options)
     except Exception as e:  # a Jinja error from the model's template, e.g. "roles must alternate"
         raise LineError("messages", f"chat template failed: {clip(' '.join(str(e).split()), 200)}") from None
     # The template writes the BOS itself; encoding with special tokens would add a second one.
     ids = _encode(text, tokenizer, max_model_len, "messages", {"add_special_tokens": False})
-    return _collapse_double_bos(ids, tokenizer)
+    return text, _collapse_double_bos(ids, tokenizer)
 
 
 _TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
