@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedrun.config.engine_args import ENGINE_ARGS, engine_args_overrides  # noqa: F401  (ENGINE_ARGS: API)
 from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.engine.engine import LLMEngine
 from pagedrun.errors import PagedrunError
@@ -24,39 +25,6 @@ from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Reque
 from pagedrun.outputs import RequestOutput
 from pagedrun.report.metrics import RunTally, StepRecord
 from pagedrun.sampling_params import SamplingParams
-
-# vLLM's LLM(...) keyword arguments -> the recipe key each one sets (docs/guide/python-api.md).
-ENGINE_ARGS = {
-    "model": "model.path",
-    "dtype": "model.dtype",
-    "max_model_len": "model.max_model_len",
-    "device": "model.device",
-    "gpu_memory_utilization": "cache.gpu_memory_utilization",
-    "kv_cache_memory": "cache.kv_cache_memory",
-    "block_size": "cache.block_size",
-    "num_gpu_blocks_override": "cache.num_blocks",
-    "swap_space": "cache.swap_space",
-    "enable_prefix_caching": "cache.enable_prefix_caching",
-    "kv_cache_dtype": "cache.kv_cache_dtype",
-    "max_num_seqs": "scheduler.max_num_seqs",
-    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-    "seed": "seed",
-}
-
-
-def engine_args_overrides(kwargs: dict[str, Any]) -> list[str]:
-    """vLLM-style keyword arguments as `--set` overrides; a clear error for what pagedrun lacks."""
-    tp = kwargs.pop("tensor_parallel_size", 1)
-    if tp != 1:
-        raise PagedrunError(f"tensor_parallel_size={tp}: pagedrun runs one device per engine; for more "
-                            "devices run data-parallel replicas (`pagedrun generate --ray --replicas N`)")
-    unknown = sorted(k for k in kwargs if k not in ENGINE_ARGS)
-    if unknown:
-        raise PagedrunError(f"LLM(): unknown argument(s) {', '.join(unknown)}; known: {', '.join(ENGINE_ARGS)}, "
-                            "tensor_parallel_size (1), recipe, overrides")
-    return [f"{ENGINE_ARGS[k]}={json.dumps(str(v) if isinstance(v, Path) else v)}"
-            for k, v in kwargs.items() if v is not None]
-
 
 class LLM:
     def __init__(self, model: Recipe | str | Path | None = None, overrides: Sequence[str] = (), *,

@@ -15,13 +15,38 @@ from rich.text import Text
 
 from pagedrun.errors import PagedrunError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Offline batch LLM inference through a paged KV cache, with a memory report.")
 console = Console(stderr=True)
 
 RecipeOpt = typer.Option(None, "-r", "--recipe", help="YAML recipe (default: the embedded default recipe).")
 SetOpt = typer.Option(None, "--set", help="Override a recipe field: --set cache.block_size=8 (repeatable).")
 DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
+
+
+# vLLM's flags for the common settings; each sets one recipe key after the recipe and --set
+# (pagedrun/config/engine_args.py, docs/guide/recipes.md).
+def _vllm_flag(flag: str, key: str, metavar: str | None = None):
+    return typer.Option(None, flag, metavar=metavar, help=f"Sets {key} (vLLM's flag).")
+
+
+ModelOpt = _vllm_flag("--model", "model.path", "DIR")
+DtypeOpt = _vllm_flag("--dtype", "model.dtype", "D")
+MaxModelLenOpt = _vllm_flag("--max-model-len", "model.max_model_len", "N")
+MaxNumSeqsOpt = _vllm_flag("--max-num-seqs", "scheduler.max_num_seqs", "N")
+MaxNumBatchedTokensOpt = _vllm_flag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "N")
+GpuMemoryUtilizationOpt = _vllm_flag("--gpu-memory-utilization", "cache.gpu_memory_utilization", "F")
+KvCacheDtypeOpt = _vllm_flag("--kv-cache-dtype", "cache.kv_cache_dtype", "D")
+BlockSizeOpt = _vllm_flag("--block-size", "cache.block_size", "N")
+PrefixCachingOpt = _vllm_flag("--enable-prefix-caching/--no-enable-prefix-caching", "cache.enable_prefix_caching")
+SeedOpt = _vllm_flag("--seed", "seed", "N")
+
+
+def flag_overrides(set_: list[str] | None, **flags) -> list[str]:
+    """--set overrides, then the vLLM-named flags given (each as its recipe key)."""
+    from pagedrun.config.engine_args import engine_args_overrides
+
+    return [*(set_ or []), *engine_args_overrides(flags)]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -128,13 +153,28 @@ def generate(
                                               help="Ray cluster to join: auto | ray://HOST:PORT (implies --ray)."),
     replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
                                            help="Engines (Ray actors) to run: default one per GPU (implies --ray)."),
+    model: Optional[str] = ModelOpt,
+    dtype: Optional[str] = DtypeOpt,
+    max_model_len: Optional[int] = MaxModelLenOpt,
+    max_num_seqs: Optional[int] = MaxNumSeqsOpt,
+    max_num_batched_tokens: Optional[int] = MaxNumBatchedTokensOpt,
+    gpu_memory_utilization: Optional[float] = GpuMemoryUtilizationOpt,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOpt,
+    block_size: Optional[int] = BlockSizeOpt,
+    enable_prefix_caching: Optional[bool] = PrefixCachingOpt,
+    seed: Optional[int] = SeedOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
     from pagedrun.cli.generate import run_generate
 
+    overrides = run_guarded(debug, lambda: flag_overrides(
+        set_, model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_dtype=kv_cache_dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+        seed=seed))
     code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
-                       overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
+                       overrides=overrides, overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
                        quiet=quiet, console=console, stop=StopFlag(), ray=ray, ray_address=ray_address,
                        replicas=replicas)
     raise typer.Exit(code or 0)
@@ -146,12 +186,27 @@ def profile_memory(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Also size concurrency for this file's requests."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the numbers as JSON."),
     set_: Optional[list[str]] = SetOpt,
+    model: Optional[str] = ModelOpt,
+    dtype: Optional[str] = DtypeOpt,
+    max_model_len: Optional[int] = MaxModelLenOpt,
+    max_num_seqs: Optional[int] = MaxNumSeqsOpt,
+    max_num_batched_tokens: Optional[int] = MaxNumBatchedTokensOpt,
+    gpu_memory_utilization: Optional[float] = GpuMemoryUtilizationOpt,
+    kv_cache_dtype: Optional[str] = KvCacheDtypeOpt,
+    block_size: Optional[int] = BlockSizeOpt,
+    enable_prefix_caching: Optional[bool] = PrefixCachingOpt,
+    seed: Optional[int] = SeedOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Show how the memory budget becomes the number of KV blocks, and where every byte goes."""
     from pagedrun.cli.profile_memory import run_profile_memory
 
-    run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=set_ or [], prompts=prompts,
+    overrides = run_guarded(debug, lambda: flag_overrides(
+        set_, model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_dtype=kv_cache_dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+        seed=seed))
+    run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=overrides, prompts=prompts,
                 json_path=json_path, console=console)
 
 
