@@ -4,8 +4,11 @@ Every user error is one line on stderr with a non-zero exit; `--debug` shows the
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import signal
+import typing
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,28 +28,45 @@ DebugOpt = typer.Option(False, "--debug", help="Show tracebacks.")
 
 
 # vLLM's flags for the common settings; each sets one recipe key after the recipe and --set
-# (pagedrun/config/engine_args.py, docs/guide/recipes.md).
-def _vllm_flag(flag: str, key: str, metavar: str | None = None):
-    return typer.Option(None, flag, metavar=metavar, help=f"Sets {key} (vLLM's flag).")
+# (pagedrun/config/engine_args.py, docs/guide/recipes.md). One list, added to a command's
+# parameters by @with_vllm_flags: (parameter, type, flag, recipe key, metavar).
+VLLM_FLAGS = (
+    ("model", Optional[str], "--model", "model.path", "DIR"),
+    ("dtype", Optional[str], "--dtype", "model.dtype", "D"),
+    ("max_model_len", Optional[int], "--max-model-len", "model.max_model_len", "N"),
+    ("max_num_seqs", Optional[int], "--max-num-seqs", "scheduler.max_num_seqs", "N"),
+    ("max_num_batched_tokens", Optional[int], "--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "N"),
+    ("gpu_memory_utilization", Optional[float], "--gpu-memory-utilization", "cache.gpu_memory_utilization", "F"),
+    ("kv_cache_dtype", Optional[str], "--kv-cache-dtype", "cache.kv_cache_dtype", "D"),
+    ("block_size", Optional[int], "--block-size", "cache.block_size", "N"),
+    ("enable_prefix_caching", Optional[bool], "--enable-prefix-caching/--no-enable-prefix-caching",
+     "cache.enable_prefix_caching", None),
+    ("seed", Optional[int], "--seed", "seed", "N"),
+)
 
 
-ModelOpt = _vllm_flag("--model", "model.path", "DIR")
-DtypeOpt = _vllm_flag("--dtype", "model.dtype", "D")
-MaxModelLenOpt = _vllm_flag("--max-model-len", "model.max_model_len", "N")
-MaxNumSeqsOpt = _vllm_flag("--max-num-seqs", "scheduler.max_num_seqs", "N")
-MaxNumBatchedTokensOpt = _vllm_flag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "N")
-GpuMemoryUtilizationOpt = _vllm_flag("--gpu-memory-utilization", "cache.gpu_memory_utilization", "F")
-KvCacheDtypeOpt = _vllm_flag("--kv-cache-dtype", "cache.kv_cache_dtype", "D")
-BlockSizeOpt = _vllm_flag("--block-size", "cache.block_size", "N")
-PrefixCachingOpt = _vllm_flag("--enable-prefix-caching/--no-enable-prefix-caching", "cache.enable_prefix_caching")
-SeedOpt = _vllm_flag("--seed", "seed", "N")
+def with_vllm_flags(command: Callable) -> Callable:
+    """Give a command the vLLM flags, before its --debug; what they set reaches it appended to
+    its `set_` overrides (so they apply after --set, as a later --set would)."""
+    sig = inspect.signature(command)
+    params = list(sig.parameters.values())
+    at = next(i for i, p in enumerate(params) if p.name == "debug")
+    flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=typ,
+                               default=typer.Option(None, flag, metavar=metavar, help=f"Sets {key} (vLLM's flag)."))
+             for name, typ, flag, key, metavar in VLLM_FLAGS]
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
 
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        from pagedrun.config.engine_args import engine_args_overrides
 
-def flag_overrides(set_: list[str] | None, **flags) -> list[str]:
-    """--set overrides, then the vLLM-named flags given (each as its recipe key)."""
-    from pagedrun.config.engine_args import engine_args_overrides
+        given = {name: kwargs.pop(name) for name, *_ in VLLM_FLAGS}
+        kwargs["set_"] = [*(kwargs.get("set_") or []), *engine_args_overrides(given)]
+        return command(**kwargs)
 
-    return [*(set_ or []), *engine_args_overrides(flags)]
+    wrapper.__signature__ = sig.replace(parameters=params[:at] + flags + params[at:])
+    wrapper.__annotations__ = {**typing.get_type_hints(command), **{n: typ for n, typ, *_ in VLLM_FLAGS}}
+    return wrapper
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -139,6 +159,7 @@ class StopFlag:
 @app.command(epilog="Exit codes: 0 every request has an output; 3 some requests failed, 4 all failed (their "
                     "lines in the output hold \"error\"); 2 a user error, nothing ran; 130/143 stopped by "
                     "Ctrl-C/SIGTERM (run again to resume).")
+@with_vllm_flags
 def generate(
     prompts: Path = typer.Argument(..., help="JSONL file, one request per line."),
     recipe: Optional[Path] = RecipeOpt,
@@ -153,60 +174,31 @@ def generate(
                                               help="Ray cluster to join: auto | ray://HOST:PORT (implies --ray)."),
     replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
                                            help="Engines (Ray actors) to run: default one per GPU (implies --ray)."),
-    model: Optional[str] = ModelOpt,
-    dtype: Optional[str] = DtypeOpt,
-    max_model_len: Optional[int] = MaxModelLenOpt,
-    max_num_seqs: Optional[int] = MaxNumSeqsOpt,
-    max_num_batched_tokens: Optional[int] = MaxNumBatchedTokensOpt,
-    gpu_memory_utilization: Optional[float] = GpuMemoryUtilizationOpt,
-    kv_cache_dtype: Optional[str] = KvCacheDtypeOpt,
-    block_size: Optional[int] = BlockSizeOpt,
-    enable_prefix_caching: Optional[bool] = PrefixCachingOpt,
-    seed: Optional[int] = SeedOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
     from pagedrun.cli.generate import run_generate
 
-    overrides = run_guarded(debug, lambda: flag_overrides(
-        set_, model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_dtype=kv_cache_dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-        seed=seed))
     code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
-                       overrides=overrides, overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
+                       overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
                        quiet=quiet, console=console, stop=StopFlag(), ray=ray, ray_address=ray_address,
                        replicas=replicas)
     raise typer.Exit(code or 0)
 
 
 @app.command("profile-memory")
+@with_vllm_flags
 def profile_memory(
     recipe: Optional[Path] = RecipeOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Also size concurrency for this file's requests."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the numbers as JSON."),
     set_: Optional[list[str]] = SetOpt,
-    model: Optional[str] = ModelOpt,
-    dtype: Optional[str] = DtypeOpt,
-    max_model_len: Optional[int] = MaxModelLenOpt,
-    max_num_seqs: Optional[int] = MaxNumSeqsOpt,
-    max_num_batched_tokens: Optional[int] = MaxNumBatchedTokensOpt,
-    gpu_memory_utilization: Optional[float] = GpuMemoryUtilizationOpt,
-    kv_cache_dtype: Optional[str] = KvCacheDtypeOpt,
-    block_size: Optional[int] = BlockSizeOpt,
-    enable_prefix_caching: Optional[bool] = PrefixCachingOpt,
-    seed: Optional[int] = SeedOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Show how the memory budget becomes the number of KV blocks, and where every byte goes."""
     from pagedrun.cli.profile_memory import run_profile_memory
 
-    overrides = run_guarded(debug, lambda: flag_overrides(
-        set_, model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_dtype=kv_cache_dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-        seed=seed))
-    run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=overrides, prompts=prompts,
+    run_guarded(debug, run_profile_memory, recipe_path=recipe, overrides=set_ or [], prompts=prompts,
                 json_path=json_path, console=console)
 
 
