@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pagedrun.config.engine_args import ENGINE_ARGS, engine_args_overrides  # noqa: F401  (ENGINE_ARGS: API)
+from pagedrun.config.engine_args import engine_args_overrides
 from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.engine.engine import LLMEngine
 from pagedrun.errors import PagedrunError
@@ -25,6 +25,7 @@ from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Reque
 from pagedrun.outputs import RequestOutput
 from pagedrun.report.metrics import RunTally, StepRecord
 from pagedrun.sampling_params import SamplingParams
+
 
 class LLM:
     def __init__(self, model: Recipe | str | Path | None = None, overrides: Sequence[str] = (), *,

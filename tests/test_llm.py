@@ -9,8 +9,9 @@ import shutil
 import pytest
 from tiny_models import add_word_tokenizer
 
+from pagedrun.config.engine_args import ENGINE_ARGS, engine_args_overrides
 from pagedrun.errors import PagedrunError
-from pagedrun.llm import ENGINE_ARGS, LLM, engine_args_overrides
+from pagedrun.llm import LLM
 from pagedrun.sampling_params import SamplingParams
 
 WORDS = ["hello", "there", "how", "are", "you", "fine"]

@@ -10,7 +10,8 @@ The prompts file is pagedrun's JSONL or an OpenAI batch file; the output follows
 
 What differs is the executor: cli/generate.py's LocalRun (one engine in this process) or
 cli/ray/driver.py's RayRun (engines in Ray actors). Each has:
-    start(console, quiet)                  load or connect; print what was started
+    start(console, quiet, num_requests=, plot=)
+                                           load or connect; print what was started
     run(requests, on_output, on_tokens, stop)
                                            run the pulled requests; on_output(o) writes one
                                            (False: already written, a retried Ray batch)
@@ -36,8 +37,8 @@ EXIT_ALL_FAILED = 4  # every request is an error record
 
 
 def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
-    """open_output for a streamed run (io/stream.py): pass 1's error records are written now,
-    the requests are pulled as the engine runs."""
+    """Open the output of a run or a resumed one (io/stream.py): pass 1's error records are written
+    now, the requests are pulled as the engine runs; what the output already holds is not run again."""
     writer.open()
     if writer.discarded and not quiet:
         console.print(f"{output}: dropped {writer.discarded} incomplete line(s) left by an interrupted run; "
@@ -156,6 +157,8 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
 
 def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
          stop) -> int:
+    from pagedrun.io.writer import request_key
+
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, stream.tokenizer)
     done = writer.__contains__
     open_stream_output(writer, stream, records, output=output, quiet=quiet, console=console)
@@ -190,8 +193,6 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         progress.advance(task, 1)
 
     def on_output(o) -> bool:
-        from pagedrun.io.writer import request_key
-
         if request_key(o.request_id) in writer:
             return False  # a retried Ray batch whose first attempt did return: answered once only
         writer.write(records.finished(o, in_flight.pop(o.request_id, None)))

@@ -245,9 +245,10 @@ class Scheduler:
                 continue
             need = seq.num_computed_tokens + num_new - self.kv.get_num_tokens(seq.seq_id)
             if need > 0:
-                if not self.kv.can_append_slots(seq.seq_id, need):
+                pairs = self.kv.try_append_slots(seq.seq_id, need)
+                if pairs is None:
                     continue  # stays running; gets its slots in a later step
-                out.blocks_to_copy.extend(self.kv.append_slots(seq.seq_id, need))
+                out.blocks_to_copy.extend(pairs)
             self._schedule_seq(out, group, seq, num_new)
             budget -= num_new
         return budget

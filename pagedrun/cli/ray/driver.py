@@ -85,18 +85,17 @@ class RayRun:
                     self.records[rid].results.append(o)
                     on_tokens(sum(len(c.token_ids) for c in o.outputs))
 
-        written = set()
         _pass(self.ray, pending, self.actor_recipe, self.n, self.resources,
               pick_batch_size(len(pending), self.n, self.recipe.scheduler.max_num_seqs), consume, stop)
-        written.update(o.request_id for o in self.results)
-        lost = [r for r in pending if r.id not in written]
+        returned = {o.request_id for o in self.results}
+        lost = [r for r in pending if r.id not in returned]
         if lost and not stop():
             # Batches that killed their replica on every retry: again one request per task, so that
             # only a request that kills a replica on its own is given up on.
             _pass(self.ray, lost, self.actor_recipe, self.n, self.resources, 1, consume, stop)
-            written.update(o.request_id for o in self.results)
+            returned = {o.request_id for o in self.results}
             for r in lost:
-                if r.id not in written and not stop():
+                if r.id not in returned and not stop():
                     o = error_output(r, "no replica returned it: its batch failed on every attempt, twice "
                                         "(a replica process that keeps dying, e.g. out of memory; see the Ray logs)")
                     o.index = index_of[r.id]
