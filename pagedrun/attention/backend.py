@@ -8,6 +8,17 @@ Cache layout (shared by every backend and by kernels/cuda/*.cu), one pair of ten
 A slot s lives at block s // block_size, offset s % block_size. This is the layout vLLM's newer
 backends use; keeping one layout everywhere lets copy-on-write and swap move whole blocks with
 one index on dimension 0.
+
+Per-layer attention variants, passed by the model as keywords (0 means "off"):
+
+    window   sliding-window attention: a query at absolute position p sees exactly the keys at
+             positions j with p - window < j <= p (HF's and vLLM's convention: window keys,
+             itself included). With the hybrid KV manager a sliding layer's block table holds a
+             placeholder (block 0) for every block wholly below the window of the sequence's
+             first query in the step: a backend must never let those blocks' contents (anything,
+             NaN included) reach the output.
+    softcap  logit soft-capping (Gemma 2): score = softcap * tanh(scale * q.k / softcap), before
+             the softmax.
 """
 from __future__ import annotations
 
@@ -30,9 +41,15 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Write key/value through meta.slot_mapping, then compute causal attention of each query
-        over its sequence's cached tokens (read through meta.block_tables).
+        over its sequence's cached tokens (read through meta.block_tables), within `window` keys
+        when it is > 0, with logits soft-capped at `softcap` when it is > 0.
 
         Contract: every new token's K/V is written before any query attends. The scheduler relies on
         it: a request may hit prefix-cache blocks that another request computes in the same step."""

@@ -49,6 +49,14 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     source: str = "config.json"
+    # The attention window of each layer (0: full attention), num_hidden_layers entries; empty
+    # means every layer is full. The model applies it in compute; the KV cache groups layers by it
+    # (worker/kv_groups.py) so that a sliding layer's blocks are freed once they leave the window.
+    layer_windows: tuple[int, ...] = ()
+
+    def window_of(self, layer: int) -> int:
+        """The window of one layer (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf_dict(
