@@ -16,8 +16,9 @@ absolute position context_lens[i] + j and attends (causally) to cache positions 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -89,3 +90,20 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         """Every sequence contributes exactly one query token: the paged decode kernels apply."""
         return self.max_query_len == 1
+
+
+# What a model's forward takes: one metadata for every layer, or one per layer. With the hybrid KV
+# manager each KV cache group (the layers of one attention type) has its own block tables and slot
+# mapping, so layers of different groups get different objects; every other field (query_start_loc,
+# seq_lens, context_lens, the positions) is the same in all of them. Layers of one group share one
+# object, which backends may rely on (backend_state is filled by the group's first layer).
+StepMetadata = Union[AttentionMetadata, Sequence[AttentionMetadata]]
+
+
+def per_layer(meta: StepMetadata, num_layers: int) -> Sequence[AttentionMetadata]:
+    """The metadata of each of num_layers layers."""
+    if isinstance(meta, AttentionMetadata):
+        return [meta] * num_layers
+    if len(meta) != num_layers:
+        raise ValueError(f"{len(meta)} attention metadata for {num_layers} layers")
+    return meta

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -168,8 +169,12 @@ class LayerRunner:
             return None
         return kern
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, backend):
-        """(h, residual) after the last layer, as the Python loop leaves them; None: run the loop."""
+    def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, metas: Sequence[AttentionMetadata], backend):
+        """(h, residual) after the last layer, as the Python loop leaves them; None: run the loop.
+        metas: one AttentionMetadata per layer (attention/metadata.py: per_layer)."""
+        if any(m is not metas[0] for m in metas):
+            return None  # per-group block tables (the hybrid KV manager): the loop runs them
+        meta = metas[0]
         kern = self._usable(h, positions, kv_caches, meta, backend)
         if kern is None:
             return None

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrun.attention.backend import AttentionBackend
-from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, per_layer
 from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
@@ -274,19 +274,21 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
+        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states. `meta`: one
+        AttentionMetadata for all layers, or one per layer (the hybrid KV manager's groups)."""
         h, residual = self.model.embed_tokens(input_ids), None
+        metas = per_layer(meta, len(self.model.layers))
         # The same layers in one C call where every op would run its CPU kernel (layer_runner.py).
-        done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, meta, backend)
+        done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, metas, backend)
         if done:
             h, residual = done
         else:
             self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta, backend)
+            for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
+                h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, layer_meta, backend)
         return self.model.norm(h, residual)[0]
 
     @torch.no_grad()
