@@ -134,6 +134,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "num_blocks": optional(int_check(lo=1, cap=MAX_NUM_BLOCKS)),
         "swap_space": float_check("a number of GiB >= 0", lambda x: x >= 0, cap=MAX_SWAP_GIB),
         "enable_prefix_caching": bool_check,
+        "hybrid_kv": bool_check,
         "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
         "kv_cache_dtype": _choice(KV_CACHE_DTYPES, _KV_DTYPE_ALIASES),
         "k_scale": optional(float_check("a number > 0 (null: from the first step)", lambda x: x > 0)),

@@ -75,6 +75,9 @@ class CacheConfig:
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    # Sliding-window layers in KV cache groups of their own that give back the blocks the window
+    # has left (kv/groups.py); false: one group, every block kept, the window in compute only.
+    hybrid_kv: bool = True
     # auto = the model's dtype; fp8 (e4m3, e5m2) and int8 store 1 byte per element (attention/kv_cache_spec.py).
     kv_cache_dtype: str = "auto"
     k_scale: float | None = None  # fp8 scales for every layer; null: calibrated on the first step
@@ -128,12 +131,14 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
-        `output` and `distributed` are left out: how often we fsync, whether a report is written, or
-        how many replicas share the work changes no token.
+        `output`, `distributed` and cache.hybrid_kv are left out: how often we fsync, whether a
+        report is written, how many replicas share the work, or whether sliding layers free their
+        blocks changes no token.
         """
         d = self.to_dict()
         del d["output"]
         del d["distributed"]
+        del d["cache"]["hybrid_kv"]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 

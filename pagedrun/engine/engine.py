@@ -18,7 +18,7 @@ from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
-from pagedrun.kv.manager import KVCacheManager
+from pagedrun.kv.hybrid import make_kv_manager
 from pagedrun.outputs import CompletionOutput, RequestOutput
 from pagedrun.report.metrics import StepRecord
 from pagedrun.sampling_params import SamplingParams
@@ -38,9 +38,11 @@ class LLMEngine:
         self.tokenizer = self.worker.tokenizer
         self.max_model_len = self.worker.max_model_len
         sched = recipe.scheduler
-        self.kv = KVCacheManager(self.memory.num_gpu_blocks, recipe.cache.block_size, self.worker.num_cpu_blocks,
-                                 enable_prefix_caching=recipe.cache.enable_prefix_caching,
-                                 watermark=recipe.cache.watermark)
+        self.kv = make_kv_manager(self.worker.kv_groups, self.memory.num_gpu_blocks, recipe.cache.block_size,
+                                  self.worker.num_cpu_blocks, enable_prefix_caching=recipe.cache.enable_prefix_caching,
+                                  watermark=recipe.cache.watermark, max_chunk=sched.max_num_batched_tokens)
+        # Sliding-window groups give back what their window left after every step (kv/manager.py).
+        self._windowed = any(g.window for g in self.worker.kv_groups.groups)
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, sched.preemption_mode),
             self.kv, self.max_model_len,
@@ -104,7 +106,7 @@ class LLMEngine:
         self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
         inputs = [
             (s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-             s.seq.num_computed_tokens, self.kv.get_block_table(s.seq.seq_id), s.samples)
+             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples)
             for s in out.scheduled
         ]
         row_of, rows, row_owner = [], [], []
@@ -131,6 +133,8 @@ class LLMEngine:
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.group.first_scheduled_time is None:
                 s.group.first_scheduled_time = t_start
+            if self._windowed:
+                self.kv.remove_skipped_blocks(s.seq.seq_id, s.seq.num_computed_tokens)
         j = 0
         touched_groups: set[int] = set()  # id() of the groups that produced tokens this step
         for s, fan, gens in row_owner:

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedrun.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedrun.kv.hybrid import HybridKVCacheManager
 from pagedrun.kv.manager import KVCacheManager
 
 
@@ -114,7 +115,7 @@ class GroupQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager, max_model_len: int):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -314,16 +315,11 @@ class Scheduler:
         return groups
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.block_size)
-
     def _blocks_needed_alone(self, group: SequenceGroup) -> int:
         """Blocks the group needs to finish with the cache to itself: its n sequences share the prompt's
         full blocks and each needs its own for the rest."""
-        prompt = group.prompt_len
-        longest = min(self.max_model_len, prompt + group.sampling.max_tokens)
-        per_seq = self._blocks_for(longest)
-        return per_seq + (group.max_num_seqs - 1) * (per_seq - prompt // self.kv.block_size)
+        longest = min(self.max_model_len, group.prompt_len + group.sampling.max_tokens)
+        return self.kv.blocks_to_finish(group.prompt_len, longest, group.max_num_seqs)
 
     def _fits_empty_cache(self, group: SequenceGroup) -> bool:
         # A group that cannot finish alone would preempt itself forever: refuse it up front.

@@ -11,37 +11,34 @@ from collections import Counter
 from dataclasses import asdict
 
 from pagedrun.kv.block_pool import BlockPool, InvariantError
-from pagedrun.kv.block_table import BlockTable
+from pagedrun.kv.block_table import NULL_BLOCK, BlockTable
 from pagedrun.kv.stats import KVStats
 from pagedrun.kv.prefix_cache import CacheProgress
 
 
 def check_invariants(tables: dict[int, BlockTable], swapped: set[int], progress: dict[int, CacheProgress],
-                     gpu_pool: BlockPool, cpu_pool: BlockPool, block_size: int) -> None:
+                     gpu_pool: BlockPool, cpu_pool: BlockPool, block_size: int, window: int = 0) -> None:
     """Raise InvariantError naming the first violated invariant."""
+    check_groups([(tables, swapped, progress, window)], gpu_pool, cpu_pool, block_size)
+
+
+def check_groups(groups: list[tuple[dict[int, BlockTable], set[int], dict[int, CacheProgress], int]],
+                 gpu_pool: BlockPool, cpu_pool: BlockPool, block_size: int) -> None:
+    """The invariants of several KV cache groups over shared pools (kv/hybrid.py): every table of
+    every group, then each pool against the holders counted over all groups (a block is held by one
+    group's tables only, since every group takes its own blocks)."""
     gpu_holders: Counter[int] = Counter()
     cpu_holders: Counter[int] = Counter()
-    for sid, table in tables.items():
-        if table.block_size != block_size:
-            raise InvariantError(f"table shape: seq {sid} has block_size {table.block_size}")
-        if len(table.block_ids) != table.num_blocks_for(table.num_tokens):
-            raise InvariantError(
-                f"table shape: seq {sid} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens"
-            )
-        if len(set(table.block_ids)) != len(table.block_ids):
-            raise InvariantError(f"table shape: seq {sid} holds a block twice: {table.block_ids}")
-        is_swapped = sid in swapped
-        limit = cpu_pool.num_blocks if is_swapped else gpu_pool.num_blocks
-        for b in table.block_ids:
-            if not 0 <= b < limit:
-                raise InvariantError(f"table shape: seq {sid} block {b} outside its pool")
-        (cpu_holders if is_swapped else gpu_holders).update(table.block_ids)
-        if sid not in progress:
-            raise InvariantError(f"bookkeeping: seq {sid} has no cache progress")
-    if not swapped <= set(tables):
-        raise InvariantError(f"bookkeeping: swapped seqs without tables {swapped - set(tables)}")
-    if set(progress) != set(tables):
-        raise InvariantError("bookkeeping: cache progress and tables disagree")
+    for tables, swapped, progress, window in groups:
+        for sid, table in tables.items():
+            _check_table(sid, table, sid in swapped, gpu_pool, cpu_pool, block_size, window)
+            (cpu_holders if sid in swapped else gpu_holders).update(table.live_block_ids)
+            if sid not in progress:
+                raise InvariantError(f"bookkeeping: seq {sid} has no cache progress")
+        if not swapped <= set(tables):
+            raise InvariantError(f"bookkeeping: swapped seqs without tables {swapped - set(tables)}")
+        if set(progress) != set(tables):
+            raise InvariantError("bookkeeping: cache progress and tables disagree")
     gpu_pool.check_invariants(dict(gpu_holders))
     cpu_pool.check_invariants(dict(cpu_holders))
     for block in gpu_pool.blocks:
@@ -49,6 +46,31 @@ def check_invariants(tables: dict[int, BlockTable], swapped: set[int], progress:
             raise InvariantError(f"hash map: hashed block {block.block_id} is not full")
     if cpu_pool.cached_block_hash_to_block:
         raise InvariantError("hash map: the CPU pool must not cache")
+
+
+def _check_table(sid: int, table: BlockTable, is_swapped: bool, gpu_pool: BlockPool, cpu_pool: BlockPool,
+                 block_size: int, window: int) -> None:
+    if table.block_size != block_size:
+        raise InvariantError(f"table shape: seq {sid} has block_size {table.block_size}")
+    if len(table.block_ids) != table.num_blocks_for(table.num_tokens):
+        raise InvariantError(
+            f"table shape: seq {sid} holds {len(table.block_ids)} blocks for {table.num_tokens} tokens"
+        )
+    live = table.live_block_ids
+    if len(set(live)) != len(live):
+        raise InvariantError(f"table shape: seq {sid} holds a block twice: {table.block_ids}")
+    # The window: freed entries are a leading run, only in sliding groups, and never reach a block
+    # the query at the last reserved position still reads (positions >= num_tokens - window).
+    nulls = table.block_ids[: table.num_null]
+    if any(b != NULL_BLOCK for b in nulls) or NULL_BLOCK in live:
+        raise InvariantError(f"window: seq {sid}'s freed entries are not its leading {table.num_null}")
+    if table.num_null and (not window or table.num_null * block_size > max(0, table.num_tokens - window)):
+        raise InvariantError(f"window: seq {sid} freed a block its window still reads ({table.num_null} freed, "
+                             f"{table.num_tokens} tokens, window {window})")
+    limit = cpu_pool.num_blocks if is_swapped else gpu_pool.num_blocks
+    for b in live:
+        if not 0 <= b < limit:
+            raise InvariantError(f"table shape: seq {sid} block {b} outside its pool")
 
 
 def pool_state(pool: BlockPool) -> tuple:
@@ -67,7 +89,7 @@ def snapshot(tables: dict[int, BlockTable], swapped: set[int], progress: dict[in
     """Every piece of state, as plain comparable values."""
     table_state = tuple(
         sorted(
-            (sid, tuple(t.block_ids), t.num_tokens, sid in swapped, repr(progress[sid]))
+            (sid, tuple(t.block_ids), t.num_tokens, t.num_null, sid in swapped, repr(progress[sid]))
             for sid, t in tables.items()
         )
     )

@@ -11,6 +11,12 @@ invariants and the state snapshot live in kv/invariants.py, the counters in kv/s
 
 Swap follows vLLM v0 (the seeds): a request's sequences move to a second BlockPool (CPU, no
 caching) together, and a block shared by several of them moves once and stays shared.
+
+One manager keeps the tables of one KV cache group (kv/groups.py; vLLM's single-type manager).
+With `window` it is a sliding-window group: remove_skipped_blocks gives back the blocks the window
+has left (NULL_BLOCK in their place), admission reserves only the prefix-cache hit (the scheduler
+appends each chunk), and a sequence needs about window / block_size blocks however long it gets.
+Several groups over one pool are coordinated by kv/hybrid.py.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from typing import Any, Optional
 
 from pagedrun.kv import invariants
 from pagedrun.kv.block_pool import BlockPool, InvariantError, KVCacheBlock, NoFreeBlocksError
-from pagedrun.kv.block_table import BlockTable
+from pagedrun.kv.block_table import NULL_BLOCK, BlockTable
+from pagedrun.kv.groups import group_blocks
 from pagedrun.kv.hashing import HashFn, hash_block_tokens
 from pagedrun.kv.prefix_cache import CacheProgress, cache_blocks, find_longest_cache_hit
 from pagedrun.kv.stats import KVStats
@@ -37,7 +44,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         hash_fn: Optional[HashFn] = None,
+        *,
+        window: int = 0,
+        max_chunk: Optional[int] = None,
+        gpu_pool: Optional[BlockPool] = None,
+        cpu_pool: Optional[BlockPool] = None,
+        group_id: int = 0,
     ):
+        """window: 0 (full attention) or the group's sliding window in tokens; max_chunk: the most
+        tokens a sequence computes in one step (the scheduler's token budget), which bounds what a
+        sliding group holds; gpu_pool / cpu_pool: pools shared with the other groups (kv/hybrid.py),
+        group_id: this group's index (its prefix-cache entries are keyed by it)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -49,9 +66,16 @@ class KVCacheManager:
         self.watermark = watermark
         # Admission keeps this many blocks free so running sequences can still grow (vLLM v0).
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hash_fn: HashFn = hash_fn if hash_fn is not None else hash_block_tokens
-        self.gpu_pool = BlockPool(num_gpu_blocks, enable_prefix_caching)
-        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.window = window
+        self.max_chunk = max_chunk
+        base_hash: HashFn = hash_fn if hash_fn is not None else hash_block_tokens
+        # Groups share one pool and one hash map: another group's entry for the same tokens holds
+        # other layers' K/V, so each group > 0 salts its hashes with its index.
+        self.hash_fn: HashFn = base_hash if group_id == 0 else _salted(base_hash, ("kv_group", group_id))
+        self.gpu_pool = gpu_pool if gpu_pool is not None else BlockPool(num_gpu_blocks, enable_prefix_caching)
+        self.cpu_pool = cpu_pool if cpu_pool is not None else BlockPool(num_cpu_blocks, enable_caching=False)
         self.stats = KVStats()
         self._tables: dict[int, BlockTable] = {}
         self._swapped: set[int] = set()  # seq_ids whose table points into cpu_pool
@@ -83,7 +107,16 @@ class KVCacheManager:
         return seq_id in self._tables
 
     def get_block_table(self, seq_id: int) -> list[int]:
-        return list(self._table(seq_id).block_ids)
+        """The table as the kernels read it: block 0 stands in for each NULL_BLOCK entry (below the
+        window of every query to come, never read)."""
+        table = self._table(seq_id)
+        if table.num_null:
+            return [0] * table.num_null + table.block_ids[table.num_null :]
+        return list(table.block_ids)
+
+    def get_block_tables(self, seq_id: int) -> list[list[int]]:
+        """One table per KV cache group (here, this manager's one group)."""
+        return [self.get_block_table(seq_id)]
 
     def get_num_tokens(self, seq_id: int) -> int:
         return self._table(seq_id).num_tokens
@@ -96,7 +129,7 @@ class KVCacheManager:
         these are all of the sequence's shared blocks, found without walking its whole table."""
         blocks = self.gpu_pool.blocks
         out = []
-        for b in self._gpu_table(seq_id).block_ids:
+        for b in self._gpu_table(seq_id).live_block_ids:
             if blocks[b].ref_cnt <= 1:
                 break
             out.append(b)
@@ -131,6 +164,8 @@ class KVCacheManager:
         if seq_id in self._swapped:
             return
         prog = self._progress[seq_id]
+        if prog.num_cached_blocks < table.num_null:
+            prog.broken = True  # the window let a block go before it was registered: the chain ends
         if prog.broken or min(num_computed_tokens, len(token_ids), table.num_tokens) // self.block_size \
                 <= prog.num_cached_blocks:
             return  # no block became full (most decode steps): nothing to register
@@ -142,23 +177,41 @@ class KVCacheManager:
         return self.gpu_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ admission
-    def _plan_allocate(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any], int, int]:
-        """(hits, their hashes, new blocks needed, free blocks left after allocate)."""
+    def find_hits(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any]]:
+        """The leading prefix-cache hits of a prompt in this group (blocks, hashes); changes nothing."""
         if len(token_ids) == 0:
             raise ValueError("cannot allocate a sequence with no tokens")
-        hits, hashes = self._find_cached_blocks(token_ids)
-        num_new = self.get_num_required_blocks(len(token_ids)) - len(hits)
+        return self._find_cached_blocks(token_ids)
+
+    def plan_allocate(self, token_ids: Sequence[int], hits: list[KVCacheBlock]) -> tuple[int, int, int]:
+        """(blocks taken out of the free queue by allocate with these hits, new blocks among them,
+        hits skipped as below the window). A full group reserves the whole prompt; a sliding group
+        reserves the hits it keeps, and counts the blocks of the first chunk the scheduler appends
+        next, so that admission does not promise what the first step cannot get."""
+        num_cached = len(hits) * self.block_size
+        skip = self._num_skipped(num_cached) if self.window else 0
+        if self.window:
+            first = len(token_ids) if self.max_chunk is None else min(len(token_ids), num_cached + self.max_chunk)
+            num_new = self.get_num_required_blocks(first) - len(hits)
+        else:
+            num_new = self.get_num_required_blocks(len(token_ids)) - len(hits)
         # Touching a hit that sits in the free queue takes it out of the free count too.
-        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        free_after = self.gpu_pool.num_free_blocks - num_free_hits - num_new
-        return hits, hashes, num_new, free_after
+        num_free_hits = sum(1 for b in hits[skip:] if b.ref_cnt == 0)
+        return num_free_hits + num_new, num_new, skip
+
+    def _plan_allocate(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any], int, int]:
+        """(hits, their hashes, new blocks needed, free blocks left after allocate)."""
+        hits, hashes = self.find_hits(token_ids)
+        taken, num_new, _ = self.plan_allocate(token_ids, hits)
+        return hits, hashes, num_new, self.gpu_pool.num_free_blocks - taken
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         *_, free_after = self._plan_allocate(token_ids)
         return free_after >= 0 and free_after >= self.watermark_blocks
 
     def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Give seq_id a table covering len(token_ids) slots; returns the number of cached tokens."""
+        """Give seq_id a table covering len(token_ids) slots (a sliding group: its prefix-cache hits);
+        returns the number of cached tokens."""
         if seq_id in self._tables:
             raise ValueError(f"seq_id {seq_id} already has a block table")
         hits, hashes, num_new, free_after = self._plan_allocate(token_ids)
@@ -167,10 +220,29 @@ class KVCacheManager:
                 f"allocate seq {seq_id}: needs {num_new} new blocks (+{len(hits)} cached), "
                 f"{self.gpu_pool.num_free_blocks} free"
             )
-        # Touch first: the hits must leave the free queue before get_new_blocks could evict them.
-        self.gpu_pool.touch(hits)
-        new_blocks = self._get_new_gpu_blocks(num_new)
-        table = BlockTable(self.block_size, [b.block_id for b in hits + new_blocks], len(token_ids))
+        return self.allocate_with_hits(seq_id, token_ids, hits, hashes)
+
+    def touch_hits(self, token_ids: Sequence[int], hits: list[KVCacheBlock]) -> None:
+        """Take the hits this group keeps out of the free queue (before any group takes new blocks,
+        which could evict them)."""
+        self.gpu_pool.touch(hits[self.plan_allocate(token_ids, hits)[2]:])
+
+    def allocate_with_hits(self, seq_id: int, token_ids: Sequence[int], hits: list[KVCacheBlock],
+                           hashes: list[Any], touched: bool = False) -> int:
+        """allocate() with the hits already chosen (the coordinator truncates every group's to the
+        shortest, and touches them all first: touched=True); the caller has checked that the
+        blocks are there."""
+        if seq_id in self._tables:
+            raise ValueError(f"seq_id {seq_id} already has a block table")
+        _, num_new, skip = self.plan_allocate(token_ids, hits)
+        if not touched:  # the hits must leave the free queue before get_new_blocks could evict them
+            self.gpu_pool.touch(hits[skip:])
+        if self.window:  # the first chunk's blocks come from append_slots, as every later chunk's
+            table = BlockTable(self.block_size, [NULL_BLOCK] * skip + [b.block_id for b in hits[skip:]],
+                               len(hits) * self.block_size, skip)
+        else:
+            new_blocks = self._get_new_gpu_blocks(num_new)
+            table = BlockTable(self.block_size, [b.block_id for b in hits + new_blocks], len(token_ids))
         self._tables[seq_id] = table
         prog = CacheProgress()
         if hits:
@@ -238,7 +310,7 @@ class KVCacheManager:
             raise ValueError(f"seq_id {child_seq_id} already has a block table")
         parent = self._table(parent_seq_id)
         pool = self.cpu_pool if parent_seq_id in self._swapped else self.gpu_pool
-        pool.touch(pool.blocks[b] for b in parent.block_ids)
+        pool.touch(pool.blocks[b] for b in parent.live_block_ids)
         self._tables[child_seq_id] = parent.copy()
         self._progress[child_seq_id] = self._progress[parent_seq_id].copy()
         if parent_seq_id in self._swapped:
@@ -252,7 +324,7 @@ class KVCacheManager:
         if table is None:
             return
         pool = self.cpu_pool if seq_id in self._swapped else self.gpu_pool
-        pool.free_blocks(pool.blocks[b] for b in reversed(table.block_ids))
+        pool.free_blocks(pool.blocks[b] for b in reversed(table.live_block_ids))
         self._swapped.discard(seq_id)
         del self._progress[seq_id]
         self.stats.frees += 1
@@ -266,7 +338,7 @@ class KVCacheManager:
             table = self._table(sid)
             if (sid in self._swapped) != swapped:
                 raise ValueError(f"seq {sid} is {'not ' if swapped else ''}swapped out")
-            for b in table.block_ids:
+            for b in table.live_block_ids:
                 seen.setdefault(b, None)
         return list(seen)
 
@@ -306,15 +378,47 @@ class KVCacheManager:
     ) -> list[tuple[int, int]]:
         mapping = {src: dst.block_id for src, dst in zip(unique, dst_blocks)}
         # get_new_blocks gave each destination one reference; a block held by k of these tables needs k.
-        holders = Counter(b for sid in seq_ids for b in self._tables[sid].block_ids)
+        holders = Counter(b for sid in seq_ids for b in self._tables[sid].live_block_ids)
         for src, dst in zip(unique, dst_blocks):
             for _ in range(holders[src] - 1):
                 dst_pool.touch([dst])
         for sid in seq_ids:
             table = self._tables[sid]
-            src_pool.free_blocks(src_pool.blocks[b] for b in reversed(table.block_ids))
-            table.block_ids = [mapping[b] for b in table.block_ids]
+            src_pool.free_blocks(src_pool.blocks[b] for b in reversed(table.live_block_ids))
+            table.block_ids = [NULL_BLOCK] * table.num_null + [mapping[b] for b in table.live_block_ids]
         return list(mapping.items())
+
+    # ------------------------------------------------------------------ the window
+    def _num_skipped(self, num_computed_tokens: int) -> int:
+        """Leading blocks wholly below the window of the next query (at position num_computed_tokens):
+        it sees positions num_computed_tokens - window + 1 onwards."""
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> int:
+        """A sliding group gives back the blocks no later query of the sequence reads (vLLM's
+        SlidingWindowManager does it before counting blocks for a step; the engine calls it after
+        each step, which is as early as it can be known). Returns how many blocks were freed."""
+        if not self.window or seq_id in self._swapped:
+            return 0
+        table = self._table(seq_id)
+        skip = min(self._num_skipped(num_computed_tokens), len(table.block_ids))
+        if skip <= table.num_null:
+            return 0
+        gone = table.block_ids[table.num_null : skip]
+        self.gpu_pool.free_blocks(self.gpu_pool.blocks[b] for b in reversed(gone))
+        table.block_ids[table.num_null : skip] = [NULL_BLOCK] * len(gone)
+        table.num_null = skip
+        self.stats.window_freed_blocks += len(gone)
+        return len(gone)
+
+    def blocks_to_finish(self, prompt_len: int, num_tokens: int, n: int) -> int:
+        """Blocks a request of n sequences needs at its longest (num_tokens each) with the cache to
+        itself: the n share the prompt's full blocks in a full group; in a sliding group each holds
+        its window (the prompt's blocks are gone by then)."""
+        if self.window:
+            return n * group_blocks(self.window, num_tokens, self.block_size, self.max_chunk or num_tokens)
+        per_seq = self.get_num_required_blocks(num_tokens)
+        return per_seq + (n - 1) * (per_seq - prompt_len // self.block_size)
 
     # ------------------------------------------------------------------ internals
     def _table(self, seq_id: int) -> BlockTable:
@@ -343,9 +447,15 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise InvariantError naming the first violated invariant (see docs/design/architecture.md)."""
         invariants.check_invariants(self._tables, self._swapped, self._progress, self.gpu_pool, self.cpu_pool,
-                                    self.block_size)
+                                    self.block_size, self.window)
 
     def snapshot(self) -> tuple:
         """Every piece of state, as plain comparable values (tests assert failed ops change nothing)."""
         return invariants.snapshot(self._tables, self._swapped, self._progress, self.gpu_pool, self.cpu_pool,
                                    self.stats)
+
+
+def _salted(hash_fn: HashFn, salt: tuple) -> HashFn:
+    def salted(parent_hash, token_ids, extra_keys=None):
+        return hash_fn(parent_hash, token_ids, (salt,) + tuple(extra_keys or ()))
+    return salted

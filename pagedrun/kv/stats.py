@@ -19,6 +19,7 @@ class KVStats:
     forks: int = 0
     frees: int = 0
     peak_used_gpu_blocks: int = 0
+    window_freed_blocks: int = 0  # blocks sliding-window groups gave back as the window moved on
 
     @property
     def prefix_hit_rate(self) -> float:

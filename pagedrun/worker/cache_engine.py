@@ -2,7 +2,7 @@
 
 Per layer the attention backends see (key_cache, value_cache), each
 [num_blocks, block_size, num_kv_heads, head_size] (pagedrun/attention/backend.py). Here all of them
-are views of ONE tensor per device, [num_layers, 2 (K/V), num_blocks, block_size, kv_heads, head_size]:
+are views of ONE tensor per device, [num_slots (layers; kv/groups.py), 2 (K/V), num_blocks, block_size, kv_heads, head_size]:
 every view is still contiguous (it fixes the two leading indices), and a swap or a copy-on-write
 batch becomes a single gather + scatter along the block dimension for all layers at once, instead
 of a Python loop over layers and blocks (vLLM's swap_blocks / copy_blocks kernels do the same job).
@@ -44,10 +44,18 @@ class CacheEngine:
         device: Union[torch.device, str],
         kv_spec: KVCacheSpec | None = None,
         fp8_scales: tuple[float | None, float | None] = (None, None),
+        layer_slots: list[int] | None = None,
     ):
         """dtype: the model's; kv_spec (attention/kv_cache_spec.py): how the cache stores K/V (default: in dtype).
-        fp8_scales: the recipe's k_scale / v_scale for every layer (None: calibrated on first write)."""
+        fp8_scales: the recipe's k_scale / v_scale for every layer (None: calibrated on first write).
+        layer_slots: the tensor slot of every layer when KV cache groups share slots (kv/groups.py:
+        a block id then holds one layer of each slot, for whichever group owns the block); None:
+        a slot per layer."""
         self.num_layers = num_layers
+        self.layer_slots = list(layer_slots) if layer_slots is not None else list(range(num_layers))
+        if len(self.layer_slots) != num_layers:
+            raise ValueError(f"{len(self.layer_slots)} layer slots for {num_layers} layers")
+        self.num_slots = max(self.layer_slots) + 1
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.block_size = block_size
@@ -56,7 +64,7 @@ class CacheEngine:
         self.dtype = _as_dtype(dtype)
         self.device = torch.device(device)
         self.spec = kv_spec or kv_cache_spec("auto", self.dtype)
-        shape = (num_layers, 2)
+        shape = (self.num_slots, 2)
         block_shape = (block_size, num_kv_heads, head_size)
         # Uninitialised on purpose: a slot is only read after the step that wrote it.
         self.gpu_kv_cache = allocate_cache(shape + (num_gpu_blocks,) + block_shape, self.spec.storage, self.device)
@@ -85,11 +93,12 @@ class CacheEngine:
 
     def _layer(self, cache: torch.Tensor, scales: torch.Tensor | None, i: int) -> tuple[torch.Tensor, ...]:
         """What layer i's attention gets: (key_cache, value_cache), plus (k_scale, v_scale) when quantized."""
-        if self.layer_scales is not None:
-            return cache[i, 0], cache[i, 1], self.layer_scales[i, 0], self.layer_scales[i, 1]
+        s = self.layer_slots[i]
+        if self.layer_scales is not None:  # fp8: a scale per layer, whatever slot it shares
+            return cache[s, 0], cache[s, 1], self.layer_scales[i, 0], self.layer_scales[i, 1]
         if scales is not None:
-            return cache[i, 0], cache[i, 1], scales[i, 0], scales[i, 1]
-        return cache[i, 0], cache[i, 1]
+            return cache[s, 0], cache[s, 1], scales[s, 0], scales[s, 1]
+        return cache[s, 0], cache[s, 1]
 
     @property
     def block_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -6,7 +6,9 @@
                       (the worst case at max_model_len, which the profile pass cannot reach)
                 CPU   cache.kv_cache_memory (bytes, or a fraction of MemAvailable after the pass)
     3. blocks:  floor(budget / block_bytes),
-                block_bytes = 2 (K, V) x layers x kv_heads x head_dim x block_size x dtype bytes
+                block_bytes = 2 (K, V) x slots x kv_heads x head_dim x block_size x dtype bytes
+                (slots: the layers one block id covers, all of them unless sliding-window layers
+                have KV cache groups of their own, kv/groups.py)
     `cache.num_blocks` overrides step 3 (the profile still runs, for the report and the checks).
 
 Measuring and deciding are separate: pagedrun/worker/profiler.py reads the machine into a
@@ -24,6 +26,7 @@ import torch
 
 from pagedrun.attention.kv_cache_spec import KVCacheSpec
 from pagedrun.errors import PagedrunError
+from pagedrun.kv.groups import KVCacheGroups
 from pagedrun.worker.profiler import MemoryProfile, mem_available_bytes, run_profile
 
 MiB = 1 << 20
@@ -72,6 +75,13 @@ class MemoryPlan:
     # docs/log/2026-11-27-figures-from-code-comments.md).
     torch_headroom_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
+    # Derived: blocks one sequence of max_model_len holds at most, over the KV cache groups (a
+    # sliding group holds its window); 0 = ceil(max_model_len / block_size), one full group.
+    seq_blocks: int = 0
+    # The KV cache groups (kv/groups.py), one line each, e.g. "sliding 512: layers 0-4" (empty: one
+    # full group). With several, what the same memory would hold with every block kept (derived):
+    kv_groups: list[str] = field(default_factory=list)
+    max_concurrency_without_hybrid: float = 0.0
     profile: MemoryProfile | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -89,7 +99,7 @@ class MemoryPlan:
 
     @property
     def blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return self.seq_blocks or -(-self.max_model_len // self.block_size)
 
     @property
     def max_concurrency(self) -> float:
@@ -130,6 +140,10 @@ class MemoryPlan:
                if self.attention_scratch_bytes else "")
             + (f"; torch held to {fmt_bytes(self.torch_cap_bytes)} (derived: the limit - outside torch)"
                if self.torch_cap_bytes else ""))
+        if self.kv_groups:
+            lines.append(f"KV cache groups: {'; '.join(self.kv_groups)}; max concurrency "
+                         f"{self.max_concurrency:.2f}x with the hybrid manager, "
+                         f"{self.max_concurrency_without_hybrid:.2f}x with every block kept (derived)")
         return lines + [f"warning: {w}" for w in self.warnings]
 
 
@@ -159,22 +173,25 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes(dtype)
 
 
-def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None) -> int:
-    """One block's bytes, K and V in every layer, as the cache stores them (int8 scales included)."""
+def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None,
+                      num_slots: int | None = None) -> int:
+    """One block's bytes, K and V in every layer (or num_slots layers: kv/groups.py), as the cache
+    stores them (int8 scales included)."""
+    layers = num_slots or model_cfg.num_hidden_layers
     if kv_spec is None:
-        return model_cfg.kv_bytes_per_token(dtype_bytes(dtype)) * block_size
-    return kv_spec.bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
-                                   model_cfg.head_dim) * block_size
+        return 2 * layers * model_cfg.num_key_value_heads * model_cfg.head_dim * dtype_bytes(dtype) * block_size
+    return kv_spec.bytes_per_token(layers, model_cfg.num_key_value_heads, model_cfg.head_dim) * block_size
 
 
 def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_model_len: int, max_num_seqs: int,
                 uses_swap: bool, host_available_bytes: int, decode_gather: int = 0,
-                attention_scratch: int = 0) -> MemoryPlan:
+                attention_scratch: int = 0, seq_blocks: int = 0) -> MemoryPlan:
     """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError.
-    attention_scratch (CUDA) and decode_gather (where decode gathers K/V, else 0): attention/scratch.py."""
+    attention_scratch (CUDA) and decode_gather (where decode gathers K/V, else 0): attention/scratch.py.
+    seq_blocks: blocks a max_model_len sequence holds (KV cache groups), 0 = ceil(len / block_size)."""
     bb, bs = block_bytes, cache_cfg.block_size
     cuda = profile.device.startswith("cuda")
-    blocks_per_seq = -(-max_model_len // bs)
+    blocks_per_seq = seq_blocks or -(-max_model_len // bs)
     seq_bytes = blocks_per_seq * bb
     # A layer's decode gather ends before its prefills' scratch is allocated: never live at once.
     scratch = max(attention_scratch, decode_gather) if cuda else 0
@@ -205,6 +222,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         blocks_from_budget=from_budget, gpu_memory_utilization=cache_cfg.gpu_memory_utilization if cuda else None,
         host_available_bytes=host_available_bytes, profile=profile,
         attention_scratch_bytes=scratch, torch_headroom_bytes=headroom, decode_gather_bytes=decode_gather,
+        seq_blocks=seq_blocks,
     )
     if cuda and cache_cfg.gpu_memory_utilization > HIGH_UTILIZATION:
         plan.warnings.append(
@@ -336,9 +354,10 @@ def requests_fit(blocks: list[int], num_blocks: int) -> RequestsFit:
 # ---------------------------------------------------------------- the engine's entry point
 
 def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, kv_spec: KVCacheSpec) -> MemoryPlan:
+                  max_model_len: int, kv_spec: KVCacheSpec, groups: KVCacheGroups | None = None) -> MemoryPlan:
     """Profile the loaded model and turn the recipe's budget into blocks (Worker.__init__); kv_spec:
-    the cache's storage, resolved once from the recipe by the worker."""
+    the cache's storage, resolved once from the recipe by the worker; groups: the KV cache groups
+    (kv/groups.py; None: one full group)."""
     from pagedrun.attention.registry import make_backend
     from pagedrun.attention.scratch import plan_scratch
 
@@ -355,12 +374,24 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
         elem_bytes=dtype_bytes(dtype), cache_elem_bytes=dtype_bytes(kv_spec.storage), cuda=device.type == "cuda",
         paged_decode=backend.name == "cupy", gathers=_gathers_on_decode(backend, device), quantized=kv_spec.quantized)
-    plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, recipe.cache.block_size, dtype, kv_spec),
+    bs = recipe.cache.block_size
+    slots = groups.num_slots if groups is not None else None
+    seq_blocks = groups.blocks_per_seq(max_model_len, bs, sched.max_num_batched_tokens) if groups is not None else 0
+    plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, bs, dtype, kv_spec, slots),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
-                       decode_gather=gather, attention_scratch=scratch)
+                       decode_gather=gather, attention_scratch=scratch, seq_blocks=seq_blocks)
     plan.kv_cache_dtype = kv_spec.name
+    if groups is not None and groups.hybrid:
+        describe_groups(plan, groups, model_block_bytes(model_cfg, bs, dtype, kv_spec))
     return plan
+
+
+def describe_groups(plan: MemoryPlan, groups: KVCacheGroups, full_block_bytes: int) -> None:
+    """The plan's group lines, and the concurrency the same bytes give with every block kept."""
+    plan.kv_groups = [f"{g.kind}: layers {','.join(map(str, g.layers))}" for g in groups.groups]
+    full_seq = -(-plan.max_model_len // plan.block_size)
+    plan.max_concurrency_without_hybrid = plan.kv_cache_bytes / (full_block_bytes * full_seq)
 
 
 def _gathers_on_decode(backend, device: torch.device) -> bool:

@@ -11,33 +11,40 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.metadata import AttentionMetadata, StepMetadata
 
 
 @dataclass
 class ModelInput:
     token_ids: list[int]  # the new tokens of this sequence, in order
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV cache group (kv/groups.py)
     sample: bool  # produce logits for the last token
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, backend, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches, backend, block_size: int, device: torch.device,
+                 layer_groups: list[int] | None = None):
+        """layer_groups: the KV cache group of every layer (None: one group)."""
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups) + 1 if layer_groups else 1
 
-    def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
         for inp in inputs:
             input_ids.extend(inp.token_ids)
             positions.extend(range(inp.start_pos, inp.start_pos + len(inp.token_ids)))
-        meta = AttentionMetadata.build([len(inp.token_ids) for inp in inputs], [inp.start_pos for inp in inputs],
-                                       [inp.block_table for inp in inputs], self.block_size, device=self.device)
+        query_lens, starts = [len(inp.token_ids) for inp in inputs], [inp.start_pos for inp in inputs]
+        # One metadata per group: the same sequences and positions, each group's own blocks.
+        metas = [AttentionMetadata.build(query_lens, starts, [inp.block_tables[g] for inp in inputs],
+                                         self.block_size, device=self.device) for g in range(self.num_groups)]
+        meta: StepMetadata = metas[0] if self.num_groups == 1 else [metas[g] for g in self.layer_groups]
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta

@@ -193,9 +193,9 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
     inputs, decode, b = [], [], 0
     for i, (n, k) in enumerate(zip(lens, need)):
         inputs.append(ModelInput([(i * 7919 + j) % model_cfg.vocab_size for j in range(n)], 0,
-                                 list(range(b, b + k)), True))
+                                 [list(range(b, b + k))], True))
         if n < max_model_len:  # a position past max_model_len may be past the rotary table
-            decode.append(ModelInput([i % model_cfg.vocab_size], n, list(range(b, b + k)), True))
+            decode.append(ModelInput([i % model_cfg.vocab_size], n, [list(range(b, b + k))], True))
         b += k
     params = SamplingParams(**_PROFILE_SAMPLING)
     sampler = Sampler(0)  # its own generator: the profile draws nothing from the run's streams

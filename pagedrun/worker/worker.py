@@ -21,6 +21,7 @@ from pagedrun.attention.kv_cache_spec import check_scales, kv_cache_spec
 from pagedrun.attention.registry import make_backend
 from pagedrun.config.recipe import Recipe
 from pagedrun.errors import PagedrunError
+from pagedrun.kv.groups import KVCacheGroups, plan_groups
 from pagedrun.models.config import resolve_max_model_len
 from pagedrun.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pagedrun.sample.sampler import Sampler, SampleResult, SamplingRow, make_generator
@@ -59,20 +60,26 @@ class Worker:
         # The KV cache spec (element type, scales, bytes per token) resolved once, here, and passed
         # as an object to the memory plan, the backend and the cache engine.
         self.kv_spec = kv_cache_spec(recipe.cache.kv_cache_dtype, self.dtype)
+        # Layers grouped by attention window (kv/groups.py): the engine's KV manager keeps a block
+        # table per group, and the cache a tensor slot per layer of a group.
+        layers = cfg.num_hidden_layers
+        self.kv_groups: KVCacheGroups = plan_groups([cfg.window_of(i) for i in range(layers)],
+                                                    recipe.cache.hybrid_kv)
         self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
-                                                self.max_model_len, self.kv_spec)
+                                                self.max_model_len, self.kv_spec, self.kv_groups)
         self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
         self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, self.num_cpu_blocks,
                                         self.dtype, self.device, self.kv_spec,
-                                        (recipe.cache.k_scale, recipe.cache.v_scale))
+                                        (recipe.cache.k_scale, recipe.cache.v_scale),
+                                        self.kv_groups.slot_of(layers))
         cap_torch_memory(self.memory, self.device)
         self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
                                         threads=torch.get_num_threads())
         self._scales_checked = self.cache_engine.layer_scales is None
         self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
-                                  self.device)
+                                  self.device, self.kv_groups.group_of(layers))
         self.sampler = Sampler(recipe.seed)
 
     def make_generator(self, seed: int) -> torch.Generator:
@@ -88,7 +95,8 @@ class Worker:
 
     def execute(self, inputs: list[tuple[list[int], int, list[int], bool]],
                 row_of: list[int], rows: list[tuple]) -> SampleResult | None:
-        """inputs: per scheduled sequence (new token ids, first position, block table, samples);
+        """inputs: per scheduled sequence (new token ids, first position, block tables (one per KV
+        cache group), samples);
         rows: per sampled row (params, generator, history, grammar), row_of[i] the logits row of
         rows[i] (a prompt about to fork into n samples n rows from its one row of logits)."""
         model_inputs = [ModelInput(*i) for i in inputs]

@@ -50,7 +50,7 @@ def test_runner_gives_the_loops_logits(tmp_path, family, dtype):
     counter = _Counting(runner.lib)
     runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
     for n, step in enumerate(STEPS, 1):
-        inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in step]
+        inputs = [ModelInput(ids, start, [table], sample=True) for ids, start, table in step]
         fast = eng.worker.runner.execute(inputs)
         assert counter.calls == n and eng.worker.backend.last_path == "cpu_kernel"
         eng.worker.model.layer_runner = None
@@ -69,7 +69,7 @@ def test_runner_stands_aside(tmp_path, monkeypatch):
     runner = eng.worker.model.layer_runner
     counter = _Counting(runner.lib)
     runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
-    inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in STEPS[0]]
+    inputs = [ModelInput(ids, start, [table], sample=True) for ids, start, table in STEPS[0]]
     with ops.torch_only():  # the ops' torch path: the runner must not run the kernels behind its back
         eng.worker.runner.execute(inputs)
     ran = []
@@ -87,6 +87,6 @@ def test_runner_stands_aside(tmp_path, monkeypatch):
 
 def test_runner_reports_a_refused_call(tmp_path):
     eng = _engine(tmp_path, "llama", "float32")
-    inputs = [ModelInput([5, 6], 0, [999], sample=True)]  # a block far outside the 32-block cache
+    inputs = [ModelInput([5, 6], 0, [[999]], sample=True)]  # a block far outside the 32-block cache
     with pytest.raises(RuntimeError, match=r"layer runner: layer 0, call \d+ refused"):
         eng.worker.runner.execute(inputs)
