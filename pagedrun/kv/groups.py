@@ -67,6 +67,12 @@ class KVCacheGroups:
         return sum(group_blocks(g.window, num_tokens, block_size, max_chunk) for g in self.groups)
 
 
+    def chunk_blocks(self, max_chunk: int, block_size: int) -> int:
+        """Blocks the sliding groups hold beyond every sequence's window while a step computes
+        max_chunk tokens in all (the scheduler's token budget is shared by the whole batch)."""
+        return sum(-(-max_chunk // block_size) for g in self.groups if g.window)
+
+
 def group_blocks(window: int, num_tokens: int, block_size: int, max_chunk: int) -> int:
     full = -(-num_tokens // block_size)
     if not window:

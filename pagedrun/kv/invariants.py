@@ -12,8 +12,8 @@ from dataclasses import asdict
 
 from pagedrun.kv.block_pool import BlockPool, InvariantError
 from pagedrun.kv.block_table import NULL_BLOCK, BlockTable
-from pagedrun.kv.stats import KVStats
 from pagedrun.kv.prefix_cache import CacheProgress
+from pagedrun.kv.stats import KVStats
 
 
 def check_invariants(tables: dict[int, BlockTable], swapped: set[int], progress: dict[int, CacheProgress],
@@ -60,11 +60,12 @@ def _check_table(sid: int, table: BlockTable, is_swapped: bool, gpu_pool: BlockP
     if len(set(live)) != len(live):
         raise InvariantError(f"table shape: seq {sid} holds a block twice: {table.block_ids}")
     # The window: freed entries are a leading run, only in sliding groups, and never reach a block
-    # the query at the last reserved position still reads (positions >= num_tokens - window).
+    # the next query to compute reads; it sits at most at position num_tokens, so positions from
+    # num_tokens - window + 1 on must be held.
     nulls = table.block_ids[: table.num_null]
     if any(b != NULL_BLOCK for b in nulls) or NULL_BLOCK in live:
         raise InvariantError(f"window: seq {sid}'s freed entries are not its leading {table.num_null}")
-    if table.num_null and (not window or table.num_null * block_size > max(0, table.num_tokens - window)):
+    if table.num_null and (not window or table.num_null * block_size > max(0, table.num_tokens - window + 1)):
         raise InvariantError(f"window: seq {sid} freed a block its window still reads ({table.num_null} freed, "
                              f"{table.num_tokens} tokens, window {window})")
     limit = cpu_pool.num_blocks if is_swapped else gpu_pool.num_blocks

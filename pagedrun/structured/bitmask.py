@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
     """(len(grammars), ceil(vocab / 32)) int32 bitmasks, one row per grammar, in one pass.
 

@@ -76,8 +76,13 @@ class MemoryPlan:
     torch_headroom_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     # Derived: blocks one sequence of max_model_len holds at most, over the KV cache groups (a
-    # sliding group holds its window); 0 = ceil(max_model_len / block_size), one full group.
+    # sliding group holds its window); 0 = ceil(max_model_len / block_size), one full group. Alone
+    # in the cache it may prefill max_num_batched_tokens in one step (seq_blocks); in a batch each
+    # decoding sequence holds its window (decode_seq_blocks) and the step's chunk, shared by the
+    # batch, needs chunk_blocks more in the sliding groups.
     seq_blocks: int = 0
+    decode_seq_blocks: int = 0
+    chunk_blocks: int = 0
     # The KV cache groups (kv/groups.py), one line each, e.g. "sliding 512: layers 0-4" (empty: one
     # full group). With several, what the same memory would hold with every block kept (derived):
     kv_groups: list[str] = field(default_factory=list)
@@ -104,7 +109,11 @@ class MemoryPlan:
     @property
     def max_concurrency(self) -> float:
         """How many sequences of max_model_len tokens the cache holds at once (vLLM's number)."""
-        return self.num_gpu_blocks / self.blocks_per_seq if self.max_model_len else 0.0
+        if not self.max_model_len:
+            return 0.0
+        if self.decode_seq_blocks:
+            return max(0, self.num_gpu_blocks - self.chunk_blocks) / self.decode_seq_blocks
+        return self.num_gpu_blocks / self.blocks_per_seq
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -376,13 +385,16 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
         paged_decode=backend.name == "cupy", gathers=_gathers_on_decode(backend, device), quantized=kv_spec.quantized)
     bs = recipe.cache.block_size
     slots = groups.num_slots if groups is not None else None
-    seq_blocks = groups.blocks_per_seq(max_model_len, bs, sched.max_num_batched_tokens) if groups is not None else 0
+    hybrid = groups is not None and groups.hybrid
+    seq_blocks = groups.blocks_per_seq(max_model_len, bs, sched.max_num_batched_tokens) if hybrid else 0
     plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, bs, dtype, kv_spec, slots),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
                        decode_gather=gather, attention_scratch=scratch, seq_blocks=seq_blocks)
     plan.kv_cache_dtype = kv_spec.name
-    if groups is not None and groups.hybrid:
+    if hybrid:
+        plan.decode_seq_blocks = groups.blocks_per_seq(max_model_len, bs, 1)
+        plan.chunk_blocks = groups.chunk_blocks(sched.max_num_batched_tokens, bs)
         describe_groups(plan, groups, model_block_bytes(model_cfg, bs, dtype, kv_spec))
     return plan
 

@@ -11,12 +11,11 @@ import random
 
 import pytest
 import torch
-
-from pagedrun.attention.metadata import AttentionMetadata
-from pagedrun.attention import torch_backend as TB
-from pagedrun.attention.torch_backend import TorchAttentionBackend, reshape_and_cache
-
 from attention_reference import assert_matches_reference
+
+from pagedrun.attention import torch_backend as TB
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.torch_backend import TorchAttentionBackend, reshape_and_cache
 
 
 class Case:
