@@ -45,8 +45,12 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
     fit = None
     if prompts is not None:
         requests, invalid = llm.read_requests(Path(prompts), skip_invalid=True)
-        blocks = [request_blocks(len(r.prompt_token_ids), r.sampling.max_tokens, r.sampling.n, engine.memory.block_size,
-                                 engine.max_model_len) for r in requests]
+        if engine.memory.kv_groups:  # sliding groups hold their window: the manager's own count
+            blocks = [engine.kv.blocks_to_finish(len(r.prompt_token_ids), min(len(r.prompt_token_ids) +
+                      r.sampling.max_tokens, engine.max_model_len), r.sampling.n) for r in requests]
+        else:
+            blocks = [request_blocks(len(r.prompt_token_ids), r.sampling.max_tokens, r.sampling.n,
+                                     engine.memory.block_size, engine.max_model_len) for r in requests]
         fit = {"path": str(prompts), "num_invalid": len(invalid), **requests_fit(blocks, engine.memory.num_gpu_blocks).__dict__}
     model = {"path": str(engine.worker.model_dir), "architecture": engine.model_config.architecture,
              "dtype": recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
@@ -109,6 +113,10 @@ def plan_json(plan: MemoryPlan, recipe, requests: dict | None, *, model: dict | 
         "swap_bytes": plan.swap_bytes,
         "swap_used": s.preemption_mode == "swap",
     }
+    if plan.kv_groups:
+        derived.update(kv_groups=list(plan.kv_groups), layers_per_block=plan.kv_slots,
+                       decode_blocks_per_seq=plan.decode_seq_blocks, chunk_blocks=plan.chunk_blocks,
+                       max_concurrency_every_block_kept=round(plan.max_concurrency_without_hybrid, 4))
     return {
         "schema": SCHEMA,
         "device": plan.device,
@@ -157,8 +165,10 @@ def plan_table(d: dict) -> Table:
         t.add_row("peak in use", b(x["peak_in_use_bytes"]), D, "sum of the four above" if cuda else "sum of the three above")
     t.add_row("KV budget", b(x["kv_budget_bytes"]), D, x["budget_source"])
     md = d["model"]
-    per_head = x["kv_bytes_per_token"] / (2 * md["num_layers"] * md["num_kv_heads"]) if md else 0
-    formula = (f"2 x {md['num_layers']} layers x {md['num_kv_heads']} kv heads x {per_head:g} B ("
+    per_head = x["kv_bytes_per_token"] / (2 * (x.get("layers_per_block") or md["num_layers"]) * md["num_kv_heads"]) \
+        if md else 0
+    layers = x.get("layers_per_block") or (md["num_layers"] if md else 0)
+    formula = (f"2 x {layers} layers x {md['num_kv_heads']} kv heads x {per_head:g} B ("
                f"{x.get('kv_cache_dtype', md['dtype'])}, head {md['head_dim']}) x {r['block_size']} tokens"
                if md else f"{x['kv_bytes_per_token']:,} B/token x {r['block_size']}")
     t.add_row("block bytes", f"{x['block_bytes']:,} B", D, formula)
@@ -173,8 +183,17 @@ def plan_table(d: dict) -> Table:
         t.add_row("decode gather (est.)", b(x["decode_gather_bytes"]), D,
                   f"torch backend: one decode call's K/V gather (at most {DECODE_GATHER_TOKENS:,} rows) + SDPA's work")
     t.add_row("token capacity", f"{x['token_capacity']:,}", D, "blocks x block_size")
-    t.add_row(f"max concurrency @ {r['max_model_len']}", f"{x['max_concurrency_at_max_model_len']:.2f}x", D,
-              f"blocks / {x['blocks_per_max_len_seq']} blocks per max_model_len sequence")
+    if x.get("kv_groups"):
+        t.add_row("KV cache groups", f"{len(x['kv_groups'])}", D,
+                  f"a block holds {x['layers_per_block']} layers of one group; " + "; ".join(x["kv_groups"]))
+        t.add_row(f"max concurrency @ {r['max_model_len']}", f"{x['max_concurrency_at_max_model_len']:.2f}x", D,
+                  f"(blocks - {x['chunk_blocks']:,} for a step's chunk) / {x['decode_blocks_per_seq']} blocks per "
+                  "decoding max_model_len sequence (sliding groups hold their window)")
+        t.add_row("  every block kept", f"{x['max_concurrency_every_block_kept']:.2f}x", D,
+                  "the same bytes / a max_model_len sequence of every layer (cache.hybrid_kv: false)")
+    else:
+        t.add_row(f"max concurrency @ {r['max_model_len']}", f"{x['max_concurrency_at_max_model_len']:.2f}x", D,
+                  f"blocks / {x['blocks_per_max_len_seq']} blocks per max_model_len sequence")
     q = d["requests"]
     if q:
         t.add_row("max concurrency @ prompts", f"{q['max_concurrency']:.2f}x", D,

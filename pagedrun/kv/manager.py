@@ -114,6 +114,10 @@ class KVCacheManager:
             return [0] * table.num_null + table.block_ids[table.num_null :]
         return list(table.block_ids)
 
+    def num_left_window(self, seq_id: int) -> int:
+        """Entries of the sequence's table given back because the window left them."""
+        return self._table(seq_id).num_null
+
     def get_block_tables(self, seq_id: int) -> list[list[int]]:
         """One table per KV cache group (here, this manager's one group)."""
         return [self.get_block_table(seq_id)]

@@ -41,6 +41,9 @@ class StepRecord:
     # max_model_len) each (an HF static / pre-vLLM cache reserves num_running x max_model_len).
     reserved_contiguous_tokens: int = 0
     num_running_requests: int = 0
+    # Sliding-window groups (kv/hybrid.py): table entries of the running sequences whose blocks the
+    # window gave back; with every block kept they would be blocks in use too.
+    blocks_left_window: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -47,6 +47,8 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
     bs = m.block_size
     bb = m.block_bytes
     bytes_per_token = bb // bs
+    # A contiguous cache stores every layer of a token; with KV cache groups a block holds fewer.
+    full_bytes_per_token = (m.full_block_bytes or bb) // bs
     n = len(steps)
     blocks = [s.blocks_in_use for s in steps]
     peak_blocks = max(blocks, default=0)
@@ -102,8 +104,8 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
             "reserved_uncomputed_tokens_mean": sum(pending) / n if n else 0.0,
         },
         "contiguous": {
-            "request_max": _contiguous(reserved, logical, bs, bytes_per_token, m, peak_blocks),
-            "max_model_len": _contiguous(reserved_mml, logical, bs, bytes_per_token, m, peak_blocks),
+            "request_max": _contiguous(reserved, logical, full_bytes_per_token, m, peak_blocks),
+            "max_model_len": _contiguous(reserved_mml, logical, full_bytes_per_token, m, peak_blocks),
             "max_model_len_tokens": engine.max_model_len,
         },
         "prefix_cache": {"query_tokens": q, "hit_tokens": hit, "hit_rate": _ratio(hit, q),
@@ -120,6 +122,17 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         },
         "latency": {"ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e)},
     }
+    if m.kv_groups:
+        kept = [s.blocks_in_use + s.blocks_left_window for s in steps]
+        report["hybrid_kv"] = {
+            "groups": list(m.kv_groups),
+            "blocks_freed_by_window": engine.kv.stats.window_freed_blocks,
+            "tokens_freed_by_window": engine.kv.stats.window_freed_blocks * bs,
+            "peak_blocks_in_use": peak_blocks,
+            "peak_blocks_every_block_kept": max(kept, default=0),
+            "max_concurrency": m.max_concurrency,
+            "max_concurrency_every_block_kept": m.max_concurrency_without_hybrid,
+        }
     report["provenance"] = _provenance(report)
     return report
 
@@ -143,7 +156,8 @@ def cpu_kernels_status(engine) -> str | None:
     return cpu_build.status()
 
 
-def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_token: int, m, peak_blocks: int) -> dict:
+def _contiguous(reserved: list[int], logical: list[int], bytes_per_token: int, m, peak_blocks: int) -> dict:
+    """bytes_per_token: every layer's K/V of one token (what a contiguous cache stores per token)."""
     peak = max(reserved, default=0)
     n = len(reserved)
     return {
@@ -151,8 +165,8 @@ def _contiguous(reserved: list[int], logical: list[int], bs: int, bytes_per_toke
         "peak_bytes": peak * bytes_per_token,
         "mean_tokens": sum(reserved) / n if n else 0.0,
         "utilisation": _ratio(sum(logical), sum(reserved)),
-        "peak_over_paged_peak": _ratio(peak, peak_blocks * bs),
-        "peak_over_capacity": _ratio(peak, m.token_capacity),
+        "peak_over_paged_peak": _ratio(peak * bytes_per_token, peak_blocks * m.block_bytes),
+        "peak_over_capacity": _ratio(peak * bytes_per_token, m.kv_cache_bytes),
     }
 
 
@@ -165,6 +179,14 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "num_requests": (M, "requests finished in this run"),
     "num_errors": (M, "requests finished with an error"),
     "memory_plan": (M, "the KV cache plan the engine allocated (pagedrun.worker.memory.MemoryPlan)"),
+    "hybrid_kv.groups": (M, "the KV cache groups: layers grouped by attention window (kv/groups.py)"),
+    "hybrid_kv.blocks_freed_by_window": (M, "blocks sliding-window groups gave back as the window moved on"),
+    "hybrid_kv.tokens_freed_by_window": (D, "blocks_freed_by_window x block_size"),
+    "hybrid_kv.peak_blocks_in_use": (M, "= blocks_in_use.peak"),
+    "hybrid_kv.peak_blocks_every_block_kept": (D, "max over steps of blocks in use + table entries the window "
+                                                  "gave back (what keeping every block would have held)"),
+    "hybrid_kv.max_concurrency": (D, "the memory plan's, at max_model_len, with the window's frees"),
+    "hybrid_kv.max_concurrency_every_block_kept": (D, "the same KV bytes / a max_model_len sequence of every layer"),
     "kv_capacity.blocks": (M, "GPU/device KV blocks allocated"),
     "kv_capacity.block_size": (M, "tokens per block"),
     "kv_capacity.tokens": (D, "blocks x block_size"),
@@ -298,6 +320,13 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
          f"at prompt+max_tokens; {cm['peak_tokens']:,} tokens ({_mib(cm['peak_bytes'])}, "
          f"{_pct(cm['utilisation'])}) at max_model_len={report['contiguous']['max_model_len_tokens']}; "
          f"paged peak {b['peak'] * cap['block_size']:,} tokens"),
+        *([("hybrid KV", f"{len(report['hybrid_kv']['groups'])} groups; the window freed "
+                         f"{report['hybrid_kv']['tokens_freed_by_window']:,} tokens' blocks; peak "
+                         f"{report['hybrid_kv']['peak_blocks_in_use']:,} blocks, "
+                         f"{report['hybrid_kv']['peak_blocks_every_block_kept']:,} with every block kept; "
+                         f"max concurrency {report['hybrid_kv']['max_concurrency']:.2f}x "
+                         f"({report['hybrid_kv']['max_concurrency_every_block_kept']:.2f}x)")]
+          if report.get("hybrid_kv") else []),
         ("prefix cache", f"{pc['hit_tokens']:,} of {pc['query_tokens']:,} prompt tokens hit "
                          f"({_pct(pc['hit_rate'])}); {pc['cow_copies']} copy-on-write copies"),
         ("preemptions", f"{pre['recompute']} recompute, {pre['swap']} swap"

@@ -82,6 +82,8 @@ class MemoryPlan:
     # batch, needs chunk_blocks more in the sliding groups.
     seq_blocks: int = 0
     decode_seq_blocks: int = 0
+    kv_slots: int = 0  # layers one block holds (kv/groups.py); 0 = every layer
+    full_block_bytes: int = 0  # a block of every layer (= block_bytes unless KV cache groups share slots)
     chunk_blocks: int = 0
     # The KV cache groups (kv/groups.py), one line each, e.g. "sliding 512: layers 0-4" (empty: one
     # full group). With several, what the same memory would hold with every block kept (derived):
@@ -392,10 +394,12 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
                        decode_gather=gather, attention_scratch=scratch, seq_blocks=seq_blocks)
     plan.kv_cache_dtype = kv_spec.name
+    plan.full_block_bytes = model_block_bytes(model_cfg, bs, dtype, kv_spec)
+    plan.kv_slots = slots or model_cfg.num_hidden_layers
     if hybrid:
         plan.decode_seq_blocks = groups.blocks_per_seq(max_model_len, bs, 1)
         plan.chunk_blocks = groups.chunk_blocks(sched.max_num_batched_tokens, bs)
-        describe_groups(plan, groups, model_block_bytes(model_cfg, bs, dtype, kv_spec))
+        describe_groups(plan, groups, plan.full_block_bytes)
     return plan
 
 

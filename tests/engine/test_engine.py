@@ -10,6 +10,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from pagedrun.config.recipe import load_recipe
+from pagedrun.kv.block_table import NULL_BLOCK
 from pagedrun.llm import LLM
 from pagedrun.sampling_params import SamplingParams
 
@@ -50,27 +51,33 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_TOKENS) -> list[list[int]]:
 
 
 def occupancy_by_walking_every_block(engine) -> dict:
-    """The report's per-step occupancy the slow, obvious way: every block of every running table,
-    each distinct block at the fullest of its holders (the oracle for LLMEngine._occupancy, which
-    only walks shared blocks)."""
+    """The report's per-step occupancy the slow, obvious way: every block of every running table of
+    every KV cache group, each distinct block at the fullest of its holders (the oracle for
+    LLMEngine._occupancy, which only walks shared blocks); entries the window gave back hold none."""
     bs = engine.kv.block_size
-    stored: dict[int, int] = {}
-    assigned: dict[int, int] = {}
-    logical = reserved = 0
+    stored: dict[tuple[int, int], int] = {}
+    assigned: dict[tuple[int, int], int] = {}
+    logical = reserved = left = 0
+    managers = getattr(engine.kv, "managers", [engine.kv])
     for g in engine.scheduler.running:
         for seq in g.unfinished_seqs():
-            computed, slots = seq.num_computed_tokens, engine.kv.get_num_tokens(seq.seq_id)
-            logical += computed
+            logical += seq.num_computed_tokens
             reserved += min(g.prompt_len + g.sampling.max_tokens, engine.max_model_len)
-            for i, b in enumerate(engine.kv.get_block_table(seq.seq_id)):
-                a, c = min(bs, slots - i * bs), min(bs, computed - i * bs)
-                if a > 0:
-                    assigned[b] = max(assigned.get(b, 0), a)
-                if c > 0:
-                    stored[b] = max(stored.get(b, 0), c)
+            for k, manager in enumerate(managers):
+                table = manager._tables[seq.seq_id]
+                computed, slots = seq.num_computed_tokens, table.num_tokens
+                for i, b in enumerate(table.block_ids):
+                    if b == NULL_BLOCK:
+                        left += 1
+                        continue
+                    a, c = min(bs, slots - i * bs), min(bs, computed - i * bs)
+                    if a > 0:
+                        assigned[k, b] = max(assigned.get((k, b), 0), a)
+                    if c > 0:
+                        stored[k, b] = max(stored.get((k, b), 0), c)
     return {"tokens_stored": sum(stored.values()), "tokens_assigned": sum(assigned.values()),
             "tokens_logical": logical, "reserved_contiguous_tokens": reserved,
-            "num_running_requests": len(engine.scheduler.running)}
+            "num_running_requests": len(engine.scheduler.running), "blocks_left_window": left}
 
 
 def run(model_dir, prompts, *sets, sampling=None):
