@@ -35,8 +35,14 @@ from pagedrun.attention.backend import AttentionBackend
 from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, per_layer
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
-from pagedrun.models.llama import DirectCall, GateUpLinear, Linear, LlamaForCausalLM, RotaryEmbedding, \
-    VocabEmbedding
+from pagedrun.models.llama import (
+    DirectCall,
+    GateUpLinear,
+    Linear,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    VocabEmbedding,
+)
 
 
 class GemmaRMSNorm(DirectCall, nn.Module):
