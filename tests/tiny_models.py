@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "llama3", "llama_linear", "qwen2", "qwen3", "mistral", "llama_tied")
+# Families with sliding-window layers (windows of 8, so that test prompts run several windows long)
+# and their own block (Gemma): tests/models/test_gemma.py.
+WINDOW_FAMILIES = ("gemma3", "gemma3_mm", "gemma2", "mistral_swa", "qwen2_swa")
 
 _BASE: dict[str, Any] = dict(
     vocab_size=640,
@@ -65,6 +68,29 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "LlamaForCausalLM",
         dict(tie_word_embeddings=True, num_hidden_layers=2),
     ),
+    # Gemma 3: 4 layers, the 4th full (sliding_window_pattern 4 in layer_types), linear RoPE scaling
+    # on the full layer and the local base on the others; query_pre_attn_scalar != head_dim.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+             tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+             layer_types=["sliding_attention"] * 3 + ["full_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    ),
+    # Gemma 2: layers alternate sliding / full; small soft-caps so that both change the logits.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+             final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+             eos_token_id=1, max_position_embeddings=512),
+    ),
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Qwen2: the layers from max_window_layers on slide.
+    "qwen2_swa": ("Qwen2Config", "Qwen2ForCausalLM",
+                  dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, rope_theta=1e6)),
 }
 
 
@@ -75,26 +101,56 @@ def make_tiny_model(family: str, path: Path, seed: int = 0, **overrides: Any) ->
 
     transformers.utils.logging.disable_progress_bar()
 
+    if family == "gemma3_mm":  # Gemma 3's text model inside Gemma3ForConditionalGeneration
+        return _make_gemma3_multimodal(path, seed, **overrides)
     config_cls, model_cls, family_overrides = _FAMILIES[family]
     kwargs = {**_BASE, **family_overrides, **overrides}
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)
+    _perturb(model, config)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _make_gemma3_multimodal(path: Path, seed: int, **overrides: Any) -> Path:
+    """A tiny Gemma3ForConditionalGeneration: the gemma3 family's text model beside a 1-layer
+    SigLIP vision tower (saved, as transformers saves it, under language_model.model.*)."""
+    import torch
+    import transformers
+
+    _, _, text = _FAMILIES["gemma3"]
+    text_config = transformers.Gemma3TextConfig(**{**_BASE, **text, **overrides})
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=600, boi_token_index=601, eoi_token_index=602)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    _perturb(model, config.text_config)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _perturb(model, config) -> None:
+    import torch
+
     # HF's init (std 0.02, unit norms) makes nearly flat logits; perturb norms and biases so that
-    # every parameter matters and greedy choices are not decided by rounding noise.
+    # every parameter matters and greedy choices are not decided by rounding noise. Gemma's norms
+    # scale by 1 + w: w near 0 is a scale near 1.
+    offset = 0.0 if config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(offset + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
     if config.tie_word_embeddings:
         model.tie_weights()
-    path = Path(path)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def write_token_prompts(path: Path, n: int, *, id_prefix: str, max_tokens: int, seed: int,

@@ -1,6 +1,6 @@
 // The model's elementwise ops for kernels/cpu/model_ops_cpu.cpp, whose exports wrap them (RMSNorm with
-// the residual add, RoPE, SiLU * up); silu_and_mul (and silu_v) also end the GEMMs' fused gate/up
-// projection (bf16_gemm.h, amx_bf16.h).
+// the residual add, RoPE, SiLU * up, GELU-tanh * up); silu_and_mul (and silu_v) also end the GEMMs'
+// fused gate/up projection (bf16_gemm.h, amx_bf16.h).
 #pragma once
 
 #include <cmath>
@@ -41,8 +41,11 @@ inline v8f load8_any(const uint16_t* p) {
 
 // One row of RMSNorm: o = weight * (h * 1/sqrt(mean(h^2) + eps)), h = x, or with a residual row r,
 // h = x + r written back to r first. o may be x (each element is read before it is written).
-template <typename T>
-inline void rms_norm_row(const T* x, T* r, const T* weight, T* o, int64_t H, float eps) {
+// A float32 weight W on bf16 rows is Gemma's norm: transformers computes (1 + w) * normed h in
+// float32 and rounds once, so the normed h is not rounded to bf16 before the product (the weight
+// holds 1 + w, folded at load time).
+template <typename T, typename W = T>
+inline void rms_norm_row(const T* x, T* r, const W* weight, T* o, int64_t H, float eps) {
   const T* h = x;
   if (r) {
     for (int64_t i = 0; i < H; ++i) st(r, i, ld(x, i) + ld(r, i));
@@ -57,14 +60,17 @@ inline void rms_norm_row(const T* x, T* r, const T* weight, T* o, int64_t H, flo
   float ss = horizontal_sum(acc);
   for (; i < H; ++i) ss += ld(h, i) * ld(h, i);
   const float inv = 1.0f / std::sqrt(ss / float(H) + eps);
-  for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
+  if constexpr (std::is_same<T, W>::value)
+    for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * rnd<T>(ld(h, i) * inv));
+  else
+    for (i = 0; i < H; ++i) st(o, i, ld(weight, i) * (ld(h, i) * inv));
 }
 
 // RMSNorm of M rows of H: out = weight * (h * 1/sqrt(mean(h^2) + eps)), where h = x, or, with a
 // residual, h = x + residual, written back to residual first (the pre-norm block's "h = h + f(h)"
 // fused into the next norm, as vLLM does). Rows have strides ldx / ldr / ldo.
-template <typename T>
-int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H, int64_t ldx, int64_t ldr,
+template <typename T, typename W = T>
+int rms_norm(const T* x, T* residual, const W* weight, T* out, int64_t M, int64_t H, int64_t ldx, int64_t ldr,
              int64_t ldo, float eps, int num_threads) {
   if (M < 0 || H <= 0 || ldx < H || ldo < H || (residual && ldr < H)) return -1;
   if (num_threads < 1) num_threads = 1;
@@ -80,8 +86,8 @@ int rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_
 // Qwen3's q_norm / k_norm: RMSNorm over each head of hd elements, for T tokens of `heads` heads
 // (token rows ldx / ldo apart, a token's heads contiguous, as q and k sit in the qkv projection's
 // output). out may be x: the layer runner normalises q and k where they are.
-template <typename T>
-int head_rms_norm(const T* x, const T* weight, T* out, int64_t T_, int64_t heads, int64_t hd, int64_t ldx,
+template <typename T, typename W = T>
+int head_rms_norm(const T* x, const W* weight, T* out, int64_t T_, int64_t heads, int64_t hd, int64_t ldx,
                   int64_t ldo, float eps, int num_threads) {
   if (T_ < 0 || heads <= 0 || hd <= 0 || ldx < heads * hd || ldo < heads * hd) return -1;
   if (num_threads < 1) num_threads = 1;
@@ -146,13 +152,36 @@ int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int
 // SiLU, x / (1 + exp(-x)), a vector at a time (silu_and_mul, and the AMX GEMM's fused epilogue).
 inline vgf silu_v(vgf x) { return x / (1.0f + exp_v(-x)); }
 
-// out [M, I] = silu(gate) * up, where each row of gate_up [M, 2I] (row stride ldg) holds gate and up
+// GELU with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP), a vector at a
+// time: 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)),
+// the same function: one exp, and no cancellation in 1 + tanh(u) near u = 0.
+inline vgf gelu_tanh_v(vgf x) {
+  const vgf u = broadcast_v(0.7978845608028654f) * (x + broadcast_v(0.044715f) * (x * x * x));
+  return x / (1.0f + exp_v(-2.0f * u));
+}
+inline float gelu_tanh_f32(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+  return x / (1.0f + exp_f32(-2.0f * u));
+}
+
+enum class Act { kSilu, kGeluTanh };  // the gated MLP's activation: Llama's SwiGLU, Gemma's GeGLU
+
+template <Act A> inline vgf act_v(vgf x) {
+  if constexpr (A == Act::kSilu) return silu_v(x);
+  else return gelu_tanh_v(x);
+}
+template <Act A> inline float act_f32(float x) {
+  if constexpr (A == Act::kSilu) return x / (1.0f + exp_f32(-x));
+  else return gelu_tanh_f32(x);
+}
+
+// out [M, I] = act(gate) * up, where each row of gate_up [M, 2I] (row stride ldg) holds gate and up
 // in blocks of `block` columns: gate's block b at columns [2b * block, (2b + 1) * block), up's
 // beside it. block = I is the plain layout (all of gate, then all of up); block = kPanel is what
 // the GEMM writes with a gate/up weight packed for linear_packed_silu (panels interleaved).
-template <typename T>
-int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
-                 int num_threads) {
+template <typename T, Act A = Act::kSilu>
+int act_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
+                int num_threads) {
   if (M < 0 || I <= 0 || ldg < 2 * I || ldo < I || block <= 0 || I % block) return -1;
   if (num_threads < 1) num_threads = 1;
   const int64_t bv = block / kVec * kVec;
@@ -163,12 +192,15 @@ int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, in
       const T* u = g + block;
       T* o = out + m * ldo + b * block;
       int64_t i = 0;
-      for (; i < bv; i += kVec) st_v(o + i, rnd_v<T>(silu_v(ld_v(g + i))) * ld_v(u + i));
-      for (; i < block; ++i) {
-        const float gi = ld(g, i);
-        st(o, i, rnd<T>(gi / (1.0f + exp_f32(-gi))) * ld(u, i));
-      }
+      for (; i < bv; i += kVec) st_v(o + i, rnd_v<T>(act_v<A>(ld_v(g + i))) * ld_v(u + i));
+      for (; i < block; ++i) st(o, i, rnd<T>(act_f32<A>(ld(g, i))) * ld(u, i));
     }
   }
   return 0;
+}
+
+template <typename T>
+int silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, int64_t block,
+                 int num_threads) {
+  return act_and_mul<T, Act::kSilu>(gate_up, out, M, I, ldg, ldo, block, num_threads);
 }

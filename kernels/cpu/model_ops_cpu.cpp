@@ -1,5 +1,6 @@
 // The model's own CPU ops, float32 (issue 8): a GEMM for the model's linear layers, and the
-// elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up).
+// elementwise chains torch runs as several passes (RMSNorm with the residual add, RoPE, SiLU * up,
+// GELU-tanh * up).
 //
 // Built and loaded like paged_attention_cpu.cpp (pagedrun/build/cpu.py: g++ -O3 -fopenmp -shared,
 // -mavx2 -mfma and -mavx512* when the machine has them; ctypes, raw pointers, no torch headers).
@@ -151,9 +152,25 @@ inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const ui
                                       int64_t block, int num_threads) {                                         \
     return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, block, num_threads);                                   \
   }                                                                                                             \
+  PR_EXPORT int gelu_tanh_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg,         \
+                                           int64_t ldo, int64_t block, int num_threads) {                       \
+    return act_and_mul<T, Act::kGeluTanh>(gate_up, out, M, I, ldg, ldo, block, num_threads);                   \
+  }                                                                                                             \
   PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,      \
                                             int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \
     return linear_packed_silu(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                            \
   }
 PR_ELEMENTWISE(f32, float, float)
 PR_ELEMENTWISE(bf16, uint16_t, int32_t)
+
+// Gemma's norms on bf16 rows: the weight (1 + w) in float32, the product rounded once (rms_norm_row).
+PR_EXPORT int rms_norm_bf16_w32(const uint16_t* x, uint16_t* residual, const float* weight, uint16_t* out,
+                                int64_t M, int64_t H, int64_t ldx, int64_t ldr, int64_t ldo, float eps,
+                                int num_threads) {
+  return rms_norm<uint16_t, float>(x, residual, weight, out, M, H, ldx, ldr, ldo, eps, num_threads);
+}
+PR_EXPORT int head_rms_norm_bf16_w32(const uint16_t* x, const float* weight, uint16_t* out, int64_t ntok,
+                                     int64_t heads, int64_t head_size, int64_t ldx, int64_t ldo, float eps,
+                                     int num_threads) {
+  return head_rms_norm<uint16_t, float>(x, weight, out, ntok, heads, head_size, ldx, ldo, eps, num_threads);
+}

@@ -1,9 +1,11 @@
-"""ModelConfig: the few numbers of an HF config.json that the Llama family's forward pass needs.
+"""ModelConfig: the few numbers of an HF config.json that a supported model's forward pass needs.
 
-Everything the model file, the KV cache sizing and the memory report read comes from here, so the
+Everything the model files, the KV cache sizing and the memory report read comes from here, so the
 supported subset is checked once, with errors that name config.json and the offending field.
-transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes one `rope_parameters` dict; both
-are read.
+transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes one `rope_parameters` dict (Gemma 3:
+one per layer type); both are read. Sliding-window attention (Mistral, Qwen2/3 with
+use_sliding_window, Gemma 2's and Gemma 3's sliding layers) becomes `layer_windows`, one window per
+layer, as transformers assigns them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its text model only: the vision tower's weights are skipped
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # No size of a real model comes near this; a larger one is a broken config, refused before any
 # arithmetic or allocation (models/shapes.py then checks every size against the weights).
@@ -44,7 +51,7 @@ class ModelConfig:
     o_proj_bias: bool  # Llama's attention_bias also puts a bias on o_proj; Qwen2's does not
     mlp_bias: bool
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
-    sliding_window: int | None  # only kept to report it; never applied (we refuse when it would matter)
+    sliding_window: int | None  # as config.json says (None: off); layer_windows is what applies
     bos_token_id: int | None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
@@ -53,10 +60,41 @@ class ModelConfig:
     # means every layer is full. The model applies it in compute; the KV cache groups layers by it
     # (worker/kv_groups.py) so that a sliding layer's blocks are freed once they leave the window.
     layer_windows: tuple[int, ...] = ()
+    # Gemma 2 / 3 (defaults: the Llama family's). Activation of the gated MLP.
+    hidden_act: str = "silu"
+    # HF's layer_types ("sliding_attention" / "full_attention" per layer): Gemma 3 picks each layer's
+    # RoPE by it, whether or not its window is shorter than the run (layer_windows).
+    layer_types: tuple[str, ...] = ()
+    # The RoPE of the "sliding_attention" layers where it differs from the global one (Gemma 3's
+    # local base frequency, never scaled); None: every layer uses rope_theta / rope_scaling.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim ** -0.5)
+    attn_logit_softcapping: float = 0.0  # 0: off
+    final_logit_softcapping: float = 0.0  # 0: off
 
     def window_of(self, layer: int) -> int:
         """The window of one layer (0: full attention)."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def text_tensor_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in the text model's own layout (model.*, lm_head.*), or None for
+        a tensor that is not part of it. Gemma3ForConditionalGeneration checkpoints keep the text
+        model under language_model.model.* (as transformers still saves them) or
+        model.language_model.* (its module names), beside a vision tower pagedrun does not run."""
+        if self.architecture != "Gemma3ForConditionalGeneration":
+            return name
+        for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        if name.startswith("lm_head."):
+            return name
+        return None
 
     @classmethod
     def from_hf_dict(
@@ -64,11 +102,13 @@ class ModelConfig:
     ) -> "ModelConfig":
         """Parse an HF config.json dict. `source` names the file in errors.
 
-        Mistral/Qwen sliding-window attention is not implemented: a window shorter than the longest
-        sequence we may run (max_model_len, default max_position_embeddings) is refused.
+        A sliding window applies where it is shorter than the longest sequence we may run
+        (max_model_len, default max_position_embeddings); a longer one is full attention (0).
         """
+        prefix = ""  # "text_config." where the text model's fields are nested (Gemma3ForConditionalGeneration)
+
         def err(key: str, msg: str) -> PagedrunError:
-            return PagedrunError(f"{source}: {key}: {msg}")
+            return PagedrunError(f"{source}: {prefix}{key}: {msg}")
 
         def req(key: str, typ: type = int) -> Any:
             if key not in d or d[key] is None:
@@ -84,6 +124,16 @@ class ModelConfig:
                 value = float(value)
             return value
 
+        def positive(key: str, default: float | None) -> float | None:
+            """An optional positive number (null: the default)."""
+            value = d.get(key)
+            if value is None:
+                return default
+            value = _number(value, key, err)
+            if not 0 < value < float("inf"):
+                raise err(key, f"expected a positive number or null, got {echo(d[key])}")
+            return value
+
         if not isinstance(d, dict):
             raise PagedrunError(f"{source}: expected a JSON object")
         archs = d.get("architectures")
@@ -95,6 +145,13 @@ class ModelConfig:
                 "architectures",
                 f"{echo(arch)} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
+        top = d
+        if arch == "Gemma3ForConditionalGeneration":
+            # The text model's fields; the top level keeps what is shared (tied embeddings, dtype).
+            if not isinstance(d.get("text_config"), dict):
+                raise err("text_config", f"expected an object, got {echo(d.get('text_config'))}")
+            d, prefix = d["text_config"], "text_config."
+        gemma = arch in GEMMA_ARCHITECTURES
 
         hidden = req("hidden_size")
         heads = req("num_attention_heads")
@@ -107,36 +164,50 @@ class ModelConfig:
         head_dim = req("head_dim") if d.get("head_dim") is not None else hidden // heads
         if d.get("head_dim") is None and hidden % heads:
             raise err("head_dim", f"missing and hidden_size {hidden} is not a multiple of {heads} heads")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise err("hidden_act", f"{echo(act)} is not supported (only 'silu')")
+        if gemma:  # Gemma configs name it hidden_activation (older ones also carry hidden_act)
+            act_key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
+            act, allowed = d.get(act_key, "gelu_pytorch_tanh"), "gelu_pytorch_tanh"
+        else:
+            act_key, act, allowed = "hidden_act", d.get("hidden_act", "silu"), "silu"
+        if act != allowed:
+            raise err(act_key, f"{echo(act)} is not supported (only {allowed!r})")
         max_pos = req("max_position_embeddings")
-        rope_theta, rope_scaling = _parse_rope(d, max_pos, err)
+        num_layers = req("num_hidden_layers")
+        local_theta, local_scaling = None, None
+        if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+            (rope_theta, rope_scaling), (local_theta, local_scaling) = _parse_gemma3_rope(d, max_pos, err)
+        else:
+            rope_theta, rope_scaling = _parse_rope(d, max_pos, err, default_theta=10000.0)
 
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else bool(d.get("attention_bias", False))
         o_proj_bias = False if is_qwen2 else attention_bias
-        if arch == "MistralForCausalLM":
-            mlp_bias = False
+        if arch == "LlamaForCausalLM":
+            mlp_bias = bool(d.get("mlp_bias", False))
         else:
-            mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+            mlp_bias = False
 
-        sliding_window = d.get("sliding_window")
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
-            raise err("sliding_window", f"expected an integer or null, got {echo(sliding_window)}")
+        # transformers' Gemma configs default to a window of 4096 when config.json has none.
+        sliding_window = d.get("sliding_window", 4096 if gemma else None)
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window <= 0):
+            raise err("sliding_window", f"expected a positive integer or null, got {echo(sliding_window)}")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
             sliding_window = None  # present in every Qwen config but switched off
         if arch == "LlamaForCausalLM":
             sliding_window = None
+        layer_types = _layer_types(d, arch, num_layers, sliding_window, err)
+        if sliding_window is None and gemma and "sliding_attention" in layer_types:
+            raise err("sliding_window", "null, but the model has sliding_attention layers")
         limit = max_model_len or max_pos
-        if sliding_window is not None and sliding_window < limit:
-            raise err(
-                "sliding_window",
-                f"sliding-window attention ({sliding_window} tokens) is not supported; "
-                f"set max_model_len <= {sliding_window} (now {limit})",
-            )
+        # A window at least as long as any sequence we run never drops a key: full attention, which
+        # also keeps such layers in the full-attention KV cache group.
+        window = sliding_window if sliding_window is not None and sliding_window < limit else 0
+        layer_windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        if not any(layer_windows):
+            layer_windows = ()
 
-        eos = d.get("eos_token_id")
+        eos = d.get("eos_token_id", top.get("eos_token_id"))
         if eos is None:
             eos_list: list[int] = []
         elif isinstance(eos, int):
@@ -149,11 +220,25 @@ class ModelConfig:
         if bos is not None and not isinstance(bos, int):
             raise err("bos_token_id", f"expected an integer, got {echo(bos)}")
 
+        query_pre_attn_scalar = attn_softcap = final_softcap = None
+        if gemma:
+            query_pre_attn_scalar = positive("query_pre_attn_scalar", 256.0)
+            final_softcap = positive("final_logit_softcapping", None)
+            attn_softcap = positive("attn_logit_softcapping", None)
+            if arch != "Gemma2ForCausalLM":
+                # transformers' Gemma 3 attention never applies attn_logit_softcapping (its configs
+                # leave it null), and Gemma3ForConditionalGeneration's head never applies
+                # final_logit_softcapping: what HF computes is the reference.
+                attn_softcap = None
+                if arch == "Gemma3ForConditionalGeneration":
+                    final_softcap = None
+        tie = top.get("tie_word_embeddings", d.get("tie_word_embeddings", gemma))
+
         return cls(
             architecture=arch,
             vocab_size=req("vocab_size"),
             hidden_size=hidden,
-            num_hidden_layers=req("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -162,16 +247,24 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(tie),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
             sliding_window=sliding_window,
             bos_token_id=bos,
             eos_token_id=eos_list,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            torch_dtype=top.get("torch_dtype") or top.get("dtype") or d.get("torch_dtype") or d.get("dtype"),
             source=source,
+            layer_windows=layer_windows,
+            hidden_act=act,
+            layer_types=tuple(layer_types) if gemma else (),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            attn_logit_softcapping=attn_softcap or 0.0,
+            final_logit_softcapping=final_softcap or 0.0,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -191,6 +284,8 @@ class ModelConfig:
             per_layer += 2 * i + h
         if self.qk_norm:
             per_layer += 2 * hd
+        if self.is_gemma:
+            per_layer += 2 * h  # pre_feedforward_layernorm, post_feedforward_layernorm
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embed + self.num_hidden_layers * per_layer + h + lm_head
@@ -205,7 +300,8 @@ def _number(value: Any, key: str, err) -> float:
         raise err(key, f"expected a number, got {echo(value)}") from None
 
 
-def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, Any] | None]:
+def _parse_rope(d: dict[str, Any], max_pos: int, err, default_theta: float
+                ) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters")
     key = "rope_parameters" if params is not None else "rope_scaling"
     if params is None:
@@ -219,11 +315,35 @@ def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, 
         if any(v != variants[0] for v in variants):
             raise err("rope_parameters", "different RoPE per layer type is not supported")
         params = dict(variants[0]) if variants else {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    theta = _number(theta, "rope_theta", err)
+    key = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
+    return _rope_of(params, d.get("rope_theta", default_theta), d, max_pos, err, key, "rope_scaling")
+
+
+def _parse_gemma3_rope(d: dict[str, Any], max_pos: int, err):
+    """Gemma 3's two RoPEs: ((theta, scaling) of the full-attention layers, (theta, scaling) of the
+    sliding ones). transformers 5 writes rope_parameters keyed by layer type; older configs have
+    rope_theta + rope_scaling (the full layers') and rope_local_base_freq (the sliding layers',
+    never scaled). Missing thetas take transformers' defaults, 1e6 and 1e4."""
+    params = d.get("rope_parameters")
+    local_default = _number(d.get("rope_local_base_freq", 10000.0), "rope_local_base_freq", err)
+    if isinstance(params, dict) and any(k in LAYER_TYPES for k in params):
+        out = []
+        for layer_type, default in (("full_attention", d.get("rope_theta", 1e6)), ("sliding_attention", local_default)):
+            key = f"rope_parameters.{layer_type}"
+            sub = params.get(layer_type) or {}
+            if not isinstance(sub, dict):
+                raise err(key, f"expected an object, got {echo(sub)}")
+            out.append(_rope_of(sub, default, d, max_pos, err, key, key))
+        return out[0], out[1]
+    return _parse_rope(d, max_pos, err, default_theta=1e6), (local_default, None)
+
+
+def _rope_of(params: dict[str, Any], default_theta: Any, d: dict[str, Any], max_pos: int, err, key: str,
+             scaling_key: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one RoPE parameter dict; `key` and `scaling_key` name it in errors."""
+    theta = _number(params.get("rope_theta", default_theta), "rope_theta", err)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        key = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
         raise err(
             key,
             f"rope type {echo(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
@@ -238,9 +358,37 @@ def _parse_rope(d: dict[str, Any], max_pos: int, err) -> tuple[float, dict[str, 
         out["original_max_position_embeddings"] = params.get(
             "original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)
         )
-    for key in needed:
-        out[key] = _number(params.get(key), f"{rope_type}: {key}", lambda k, m: err("rope_scaling", f"{k}: {m}"))
+    for name in needed:
+        out[name] = _number(params.get(name), f"{rope_type}: {name}", lambda k, m: err(scaling_key, f"{k}: {m}"))
     return float(theta), out
+
+
+def _layer_types(d: dict[str, Any], arch: str, num_layers: int, sliding_window: int | None, err) -> list[str]:
+    """Each layer's attention type as transformers assigns it: config.json's layer_types where the
+    family reads them, else the family's rule (Gemma 2: even layers slide; Gemma 3: all but every
+    sliding_window_pattern-th; Qwen2/3: layers from max_window_layers on; Mistral: all)."""
+    if sliding_window is None and arch not in GEMMA_ARCHITECTURES:
+        return ["full_attention"] * num_layers
+    if arch == "MistralForCausalLM":
+        return ["sliding_attention"] * num_layers  # transformers ignores a Mistral config's layer_types
+    given = d.get("layer_types")
+    if given is not None:
+        if (not isinstance(given, list) or len(given) != num_layers
+                or any(not isinstance(t, str) or t not in LAYER_TYPES for t in given)):
+            raise err("layer_types", f"expected a list of {num_layers} (num_hidden_layers) of "
+                                     f"{' / '.join(map(repr, LAYER_TYPES))}, got {echo(given)}")
+        return list(given)
+    if arch == "Gemma2ForCausalLM":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch in GEMMA_ARCHITECTURES:
+        pattern = d.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise err("sliding_window_pattern", f"expected a positive integer, got {echo(pattern)}")
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    first = d.get("max_window_layers", 28)  # Qwen2/3; transformers' default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise err("max_window_layers", f"expected a non-negative integer, got {echo(first)}")
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
 
 
 def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:

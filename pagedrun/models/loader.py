@@ -1,4 +1,5 @@
-"""Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM.
+"""Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM (the Llama
+family) or GemmaForCausalLM (Gemma 2, Gemma 3's text model).
 
 Weights are read with safetensors directly, tensor by tensor, and cast to the requested dtype while
 they are copied into place; transformers is used only for the tokenizer, with trust_remote_code=False,
@@ -15,6 +16,7 @@ import torch
 
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
+from pagedrun.models.gemma import GemmaForCausalLM
 from pagedrun.models.llama import LlamaForCausalLM
 from pagedrun.models.shapes import check_config_matches_weights
 
@@ -72,14 +74,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise PagedrunError(f"{model_dir}: no *.safetensors weight files found")
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], rename=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor; with `rename` (ModelConfig.text_tensor_name), (rename(name),
+    tensor), and the tensors it maps to None are never read (a vision tower beside a text model)."""
     from safetensors import safe_open
 
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    new_name = name if rename is None else rename(name)
+                    if new_name is not None:
+                        yield new_name, f.get_tensor(name)
         except PagedrunError:
             raise
         except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
@@ -91,15 +97,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[LlamaForCausalLM | GemmaForCausalLM, ModelConfig]:
     """Build the model for model_dir's config.json and load its safetensors weights in `dtype`."""
     model_dir = Path(model_dir)
     config = read_config(model_dir, max_model_len)
     files = safetensors_files(model_dir)
     check_config_matches_weights(config, files, model_dir)  # before allocating what config.json claims
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model_class = GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
+    model = model_class(config, dtype=dtype, device=device)
     try:
-        model.load_weights(iter_safetensors(files))
+        model.load_weights(iter_safetensors(files, config.text_tensor_name))
     except PagedrunError as e:
         if str(e).startswith(str(model_dir)):
             raise

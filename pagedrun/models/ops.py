@@ -1,4 +1,4 @@
-"""The model's compute ops: linear, RMSNorm (with the residual add), RoPE, SiLU * up.
+"""The model's compute ops: linear, RMSNorm (with the residual add), RoPE, SiLU * up, GELU-tanh * up.
 
 Each op runs the C++ kernel of kernels/cpu/model_ops_cpu.cpp (built by pagedrun.build.cpu, called
 through ctypes) when its inputs are float32 or bfloat16 CPU tensors it supports, and plain torch
@@ -60,10 +60,17 @@ class CpuModelOps:
                                    ("head_rms_norm", [_ptr] * 3 + [_i64] * 5 + [_f32, _int]),
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
                                    ("silu_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
+                                   ("gelu_tanh_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
                                    ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int])):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = _int, argtypes
                 self._ops[name, dtype] = fn
+        # Gemma's norms on bf16 rows with a float32 weight (1 + w): the product rounded once.
+        for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
+                               ("head_rms_norm", [_ptr] * 3 + [_i64] * 5 + [_f32, _int])):
+            fn = getattr(lib, f"{name}_bf16_w32")
+            fn.restype, fn.argtypes = _int, argtypes
+            self._ops[name + "_w32", torch.bfloat16] = fn
         self.lib = lib
 
     def op(self, name: str, dtype: torch.dtype):
@@ -200,13 +207,22 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight * (h / sqrt(mean(h^2) + eps)) with h = x, or h = x + residual: then (normed, h), and
-    the kernel writes h into residual's memory (the residual stream is the caller's to update)."""
-    kern = _kernels_for(x, weight)
+    the kernel writes h into residual's memory (the residual stream is the caller's to update).
+
+    A float32 weight on lower-precision rows is Gemma's norm ((1 + w) folded into the weight at
+    load time): the product is taken in float32 and rounded once, as transformers computes it,
+    where the Llama norm rounds the normed rows to the model's dtype before the product."""
+    name = "rms_norm"
+    if weight.dtype is torch.float32 and x.dtype is not torch.float32:
+        kern = _kernels_for(x) if x.dtype is torch.bfloat16 and weight.is_cpu else None
+        name = "rms_norm_w32"
+    else:
+        kern = _kernels_for(x, weight)
     if (kern is not None and _rows(x) and weight.is_contiguous()
             and (residual is None or (_rows(residual) and residual.dtype == x.dtype and residual.shape == x.shape))):
         m, h = x.shape
         out = torch.empty(m, h, dtype=x.dtype)
-        rc = kern.op("rms_norm", x.dtype)(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+        rc = kern.op(name, x.dtype)(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                                           weight.data_ptr(), out.data_ptr(), m, h, x.stride(0),
                                           0 if residual is None else residual.stride(0), h, eps,
                                           torch.get_num_threads())
@@ -217,8 +233,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         # projection's output): every head normalised over hd, into a new [T, heads, hd].
         t, heads, hd = x.shape
         out = torch.empty(t, heads, hd, dtype=x.dtype)
-        rc = kern.op("head_rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, heads, hd,
-                                               x.stride(0), heads * hd, eps, torch.get_num_threads())
+        rc = kern.op("head_" + name, x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, heads, hd,
+                                              x.stride(0), heads * hd, eps, torch.get_num_threads())
         if rc == 0:
             return out
     if residual is not None:
@@ -232,6 +248,8 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != dtype:  # Gemma's: the product in float32, rounded once (rms_norm)
+        return (x32 * weight).to(dtype)
     return weight * x32.to(dtype)
 
 
@@ -302,6 +320,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """[M, 2I] holding gate then up (or, with `block`, gate and up interleaved `block` columns at a
+    time: what a gate/up weight packed by pack_gate_up gives) -> gelu_tanh(gate) * up [M, I]: the
+    GeGLU of Gemma's MLP (transformers' gelu_pytorch_tanh)."""
+    i = gate_up.shape[-1] // 2
+    block = block or i
+    kern = _kernels_for(gate_up)
+    if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0 and i % block == 0:
+        m = gate_up.shape[0]
+        out = torch.empty(m, i, dtype=gate_up.dtype)
+        if kern.op("gelu_tanh_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), m, i, gate_up.stride(0),
+                                                       i, block, torch.get_num_threads()) == 0:
+            return out
+    if block != i:
+        gate_up = _deinterleave(gate_up.transpose(0, -1), block).transpose(0, -1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _interleave(t: torch.Tensor, block: int) -> torch.Tensor:
     """Rows [gate (I) | up (I)] -> gate's first `block`, up's first `block`, gate's next, ..."""
     i = t.shape[0] // 2
@@ -347,3 +384,12 @@ def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     panel = packed.shape[2]
     weight = _deinterleave(unpack_weight(packed, 2 * intermediate), panel)
     return silu_and_mul(F.linear(x, weight, None if bias is None else _deinterleave(bias, panel)))
+
+
+def gate_up_gelu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 intermediate: int) -> torch.Tensor:
+    """gelu_tanh(gate) * up [M, I] (Gemma's GeGLU) with [gate | up] = x @ weight^T (+ bias), the
+    weight and bias packed by pack_gate_up: the packed GEMM writes gate and up interleaved a panel at
+    a time and gelu_tanh_and_mul reads them in that layout (two calls, no copy between)."""
+    panel = packed.shape[2]
+    return gelu_tanh_and_mul(linear_packed(x, packed, bias, 2 * intermediate), block=panel)

@@ -44,6 +44,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
     if cfg.qk_norm:
         layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if cfg.is_gemma:
+        layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
     out.update({f"model.layers.0.{k}": s for k, s in layer.items()})
     return out
 
@@ -65,7 +67,11 @@ def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 def check_config_matches_weights(cfg: ModelConfig, files: list[Path], model_dir: Path) -> None:
     """Raise a one-line PagedrunError if config.json's sizes are not those of the weights."""
-    shapes = checkpoint_shapes(files)
+    shapes = {}  # by the text model's own names (ModelConfig.text_tensor_name)
+    for name, shape in checkpoint_shapes(files).items():
+        text_name = cfg.text_tensor_name(name)
+        if text_name is not None:
+            shapes[text_name] = shape
     missing = [n for n in _WITNESSES if n not in shapes]
     if missing:
         raise PagedrunError(f"{model_dir}: missing tensors: {', '.join(missing)}")

@@ -189,7 +189,7 @@ def test_config_fields(tiny_dirs):
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"vocab_size": None}, "vocab_size"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, "sliding_window"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     ],
 )
 def test_config_errors(tiny_dirs, change, field):
@@ -201,12 +201,14 @@ def test_config_errors(tiny_dirs, change, field):
     assert "\n" not in str(e.value)
 
 
-def test_sliding_window_allowed_when_longer_than_max_model_len(tiny_dirs):
+def test_sliding_window_is_full_attention_when_longer_than_max_model_len(tiny_dirs):
     cfg = json.loads((tiny_dirs["mistral"] / "config.json").read_text())
     cfg["sliding_window"] = 128
-    assert ModelConfig.from_hf_dict(cfg, "c", max_model_len=128).sliding_window == 128
+    assert ModelConfig.from_hf_dict(cfg, "c", max_model_len=128).layer_windows == ()
+    assert ModelConfig.from_hf_dict(cfg, "c", max_model_len=129).layer_windows == (128,) * 3
     cfg["sliding_window"] = 4096  # longer than max_position_embeddings (512)
-    assert ModelConfig.from_hf_dict(cfg, "c").sliding_window == 4096
+    c = ModelConfig.from_hf_dict(cfg, "c")
+    assert c.sliding_window == 4096 and c.layer_windows == ()
 
 
 def test_num_parameters_matches_hf(tiny_dirs):

@@ -1,0 +1,231 @@
+"""Gemma 2 and Gemma 3 (text) in one file, built from llama.py's pieces.
+
+Against the Llama block, Gemma changes five things:
+
+- every RMSNorm scales by (1 + w), in float32 (HF: normed x.float() * (1.0 + w.float()), cast back);
+- "sandwich" norms: the attention's and the MLP's outputs are normed too (post_attention_layernorm,
+  post_feedforward_layernorm) before they join the residual stream, and the MLP's input has a norm
+  of its own (pre_feedforward_layernorm);
+- the MLP is GeGLU: gelu_tanh(gate) * up;
+- the embeddings are scaled by sqrt(hidden_size), rounded to the model's dtype first;
+- attention: scale query_pre_attn_scalar ** -0.5; sliding-window layers (Gemma 2: every other one,
+  Gemma 3: five in six) with their own RoPE base in Gemma 3 (rope_local_base_freq); Gemma 3 normalises
+  q and k per head (as Qwen3 does); Gemma 2 soft-caps the attention logits and the final logits
+  (cap * tanh(x / cap)).
+
+embed * sqrt(H) -> N x (norm -> attention -> norm -> + residual -> norm -> GeGLU -> norm -> + residual)
+-> norm -> tied lm_head (-> soft-cap). The residual adds are fused into the next norm as in llama.py:
+post_attention_layernorm's output joins the residual in pre_feedforward_layernorm, and
+post_feedforward_layernorm's in the next layer's input_layernorm.
+
+(1 + w) is folded into the norm weights at load time and kept in float32: for a float32 model the
+norm is then llama.py's, bit for bit; for bf16 activations ops.rms_norm takes a float32 weight as
+Gemma's norm (the product in float32, rounded once), which is what HF computes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrun.attention.backend import AttentionBackend
+from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, per_layer
+from pagedrun.models import ops
+from pagedrun.models.config import ModelConfig
+from pagedrun.models.llama import (
+    DirectCall,
+    GateUpLinear,
+    Linear,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    VocabEmbedding,
+)
+
+
+class GemmaRMSNorm(DirectCall, nn.Module):
+    """RMSNorm whose weight holds 1 + w in float32 (load_weights folds it): ops.rms_norm then
+    computes HF's Gemma norm in any model dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: h = x + residual, then (norm(h), h)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class GeGLULinear(GateUpLinear):
+    """gate_proj and up_proj in one Linear whose forward is gelu_tanh(gate) * up (packed as
+    GateUpLinear's: the GEMM writes gate and up a panel at a time, and the activation reads them
+    so, with no copy between)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() >= 3:
+            return ops.gate_up_gelu(x, self.weight, self.bias, self.out_features // 2)
+        return ops.gelu_tanh_and_mul(F.linear(x, self.weight, self.bias))
+
+
+class GemmaAttention(DirectCall, nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.window = config.window_of(layer)  # 0: full attention
+        self.softcap = config.attn_logit_softcapping  # Gemma 2's; 0: off
+        # Gemma 3 picks the RoPE by the layer's type, even where its window covers the whole run.
+        self.local_rope = bool(config.layer_types) and config.layer_types[layer] == "sliding_attention"
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype)
+        self.qk_norm = config.qk_norm  # Gemma 3
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache, *kv_scales = kv_cache
+        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales,
+                              window=self.window, softcap=self.softcap)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class GemmaMLP(DirectCall, nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = GeGLULinear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))  # gelu_tanh(gate) * up: GeGLULinear
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = GemmaAttention(config, layer, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = GemmaMLP(config, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, positions, h, residual, rotary, kv_cache, meta, backend):
+        """(h, residual) -> (h', residual'), as LlamaDecoderLayer: the block's input is h + residual
+        (just h in the first layer); h' (the normed MLP output) joins residual' in the next norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, x, rotary, kv_cache, meta, backend))
+        x, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 and Gemma 3: LlamaForCausalLM's loading, packing and LM head, Gemma's layers."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        nn.Module.__init__(self)  # not LlamaForCausalLM's: that builds Llama layers
+        self.config = config
+        self.dtype = dtype
+        with torch.device(device):
+            self.model = GemmaModel(config, dtype)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            )
+        self.rotary_emb = RotaryEmbedding(config).to(device)  # the full-attention layers'
+        self.local_rotary_emb = self.rotary_emb
+        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
+                                        rope_scaling=config.local_rope_scaling)
+            self.local_rotary_emb = RotaryEmbedding(local).to(device)
+        # HF multiplies by sqrt(hidden) rounded to the model's dtype (a bf16 model scales by 25.25,
+        # not 25.298, for hidden 640).
+        self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device),
+                             persistent=False)
+        self.layer_runner = None
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: StepMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
+        h, residual = self.model.embed_tokens(input_ids) * self.normalizer, None
+        metas = per_layer(meta, len(self.model.layers))
+        self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
+        self.local_rotary_emb.step_rows.clear()
+        for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
+            rotary = self.local_rotary_emb if layer.self_attn.local_rope else self.rotary_emb
+            h, residual = layer(positions, h, residual, rotary, kv_cache, layer_meta, backend)
+        return self.model.norm(h, residual)[0]
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied head's logits, soft-capped where the model says so (Gemma 2): HF's three ops,
+        in the model's dtype."""
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        self.layer_runner = None  # the C++ layer loop runs Llama's block, not Gemma's
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LlamaForCausalLM's, with every norm weight w stored as 1 + w in float32, w first rounded
+        to the model's dtype (HF loads it so, then computes 1.0 + w.float())."""
+        dtype = self.dtype
+
+        def folded():
+            for name, tensor in weights:
+                if name.endswith("norm.weight"):
+                    tensor = 1.0 + tensor.to(dtype).float()
+                yield name, tensor
+
+        super().load_weights(folded())
