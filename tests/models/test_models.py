@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_oracle import hf_greedy, random_prompts
 from tiny_models import FAMILIES
 
 from pagedrun.attention.metadata import AttentionMetadata
@@ -107,28 +108,6 @@ def paged_greedy(model, config, prompts, max_new, block_size, shuffle):
             else:
                 pending[i] = [token]
     return outputs, logits_out
-
-
-def hf_greedy(model_dir, prompts, max_new):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf.generation_config.eos_token_id = None  # run the full length, like ignore_eos
-    hf.generation_config.pad_token_id = 0
-    tokens, logits = [], []
-    for p in prompts:
-        out = hf.generate(
-            torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=0,
-            output_logits=True, return_dict_in_generate=True,
-        )
-        tokens.append(out.sequences[0, len(p):].tolist())
-        logits.append([step[0].float() for step in out.logits])
-    return tokens, logits
-
-
-def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 _HF_CACHE: dict = {}
