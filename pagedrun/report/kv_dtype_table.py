@@ -2,7 +2,8 @@
 
 The configured dtype's row is what the engine allocated; every other row is derived from the same
 budget: floor(budget / block bytes), with the CPU cap the plan applied (2 x max_num_seqs full-length
-sequences) applied to each. Bytes per token count the int8 scales (attention/kv_cache_spec.py).
+sequences) applied to each. Bytes per token count the int8 scales (attention/kv_cache_spec.py), in
+the layers one block holds (all of them, or a KV cache group's: kv/groups.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def kv_dtype_rows(plan: MemoryPlan, model_cfg, model_dtype: torch.dtype, configu
     names += ["fp8_e4m3", "fp8_e5m2", "int8"]
     if configured not in names:
         names.insert(0, configured)
-    shape = (model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim)
+    # A block holds plan.kv_slots layers (fewer than the model's with KV cache groups, kv/groups.py).
+    shape = (plan.kv_slots or model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim)
     cap = 2 * plan.max_num_seqs * plan.blocks_per_seq if plan.capped_to_blocks is not None else None
     rows = []
     for name in names:
@@ -34,7 +36,7 @@ def kv_dtype_rows(plan: MemoryPlan, model_cfg, model_dtype: torch.dtype, configu
             blocks = min(blocks, cap) if cap else blocks
         rows.append({"kv_cache_dtype": name, "bytes_per_token": bpt, "num_blocks": blocks,
                      "token_capacity": blocks * plan.block_size,
-                     "max_concurrency_at_max_model_len": round(blocks / plan.blocks_per_seq, 4),
+                     "max_concurrency_at_max_model_len": round(plan.concurrency(blocks), 4),
                      "source": source})
     return rows
 

@@ -111,11 +111,15 @@ class MemoryPlan:
     @property
     def max_concurrency(self) -> float:
         """How many sequences of max_model_len tokens the cache holds at once (vLLM's number)."""
+        return self.concurrency(self.num_gpu_blocks)
+
+    def concurrency(self, num_blocks: int) -> float:
+        """max_concurrency for a cache of num_blocks blocks of this plan's kind."""
         if not self.max_model_len:
             return 0.0
         if self.decode_seq_blocks:
-            return max(0, self.num_gpu_blocks - self.chunk_blocks) / self.decode_seq_blocks
-        return self.num_gpu_blocks / self.blocks_per_seq
+            return max(0, num_blocks - self.chunk_blocks) / self.decode_seq_blocks
+        return num_blocks / self.blocks_per_seq
 
     def to_dict(self) -> dict:
         d = asdict(self)
