@@ -55,6 +55,7 @@ def test_every_engine_argument_names_a_recipe_key():
         for part in key.split("."):
             got = getattr(got, part)
         assert got == values[arg], (arg, key, got)
+    assert load_recipe(None, engine_args_overrides({"disable_hybrid_kv_cache_manager": True})).cache.hybrid_kv is False
 
 
 def test_what_pagedrun_lacks_is_one_clear_error():

@@ -42,6 +42,8 @@ VLLM_FLAGS = (
     ("enable_prefix_caching", Optional[bool], "--enable-prefix-caching/--no-enable-prefix-caching",
      "cache.enable_prefix_caching", None),
     ("seed", Optional[int], "--seed", "seed", "N"),
+    ("disable_hybrid_kv_cache_manager", Optional[bool], "--disable-hybrid-kv-cache-manager",
+     "cache.hybrid_kv (false)", None),
 )
 
 

@@ -28,6 +28,10 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "seed": "seed",
 }
+# vLLM's switches that turn a recipe key off: name -> the key they set to `not value`.
+NEGATED_ARGS = {
+    "disable_hybrid_kv_cache_manager": "cache.hybrid_kv",
+}
 
 
 def engine_args_overrides(kwargs: dict[str, Any]) -> list[str]:
@@ -36,9 +40,10 @@ def engine_args_overrides(kwargs: dict[str, Any]) -> list[str]:
     if tp != 1:
         raise PagedrunError(f"tensor_parallel_size={tp}: pagedrun runs one device per engine; for more "
                             "devices run data-parallel replicas (`pagedrun generate --ray --replicas N`)")
-    unknown = sorted(k for k in kwargs if k not in ENGINE_ARGS)
+    unknown = sorted(k for k in kwargs if k not in ENGINE_ARGS and k not in NEGATED_ARGS)
     if unknown:
-        raise PagedrunError(f"LLM(): unknown argument(s) {', '.join(unknown)}; known: {', '.join(ENGINE_ARGS)}, "
-                            "tensor_parallel_size (1), recipe, overrides")
-    return [f"{ENGINE_ARGS[k]}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+        raise PagedrunError(f"LLM(): unknown argument(s) {', '.join(unknown)}; known: "
+                            f"{', '.join([*ENGINE_ARGS, *NEGATED_ARGS])}, tensor_parallel_size (1), recipe, overrides")
+    return [f"{ENGINE_ARGS[k]}={json.dumps(str(v) if isinstance(v, Path) else v)}" if k in ENGINE_ARGS
+            else f"{NEGATED_ARGS[k]}={json.dumps(not v)}"
             for k, v in kwargs.items() if v is not None]

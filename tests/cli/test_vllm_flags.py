@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedrun.cli.app import app
-from pagedrun.config.engine_args import ENGINE_ARGS
+from pagedrun.config.engine_args import ENGINE_ARGS, NEGATED_ARGS
 from pagedrun.config.recipe import load_recipe
 
 # flag, value on the command line, the recipe key's value after parsing
@@ -21,6 +21,7 @@ FLAGS = [
     ("--block-size", "32", 32),
     ("--no-enable-prefix-caching", None, False),
     ("--seed", "9", 9),
+    ("--disable-hybrid-kv-cache-manager", None, False),  # sets cache.hybrid_kv to the opposite
 ]
 
 
@@ -47,7 +48,7 @@ def test_each_flag_sets_its_recipe_key(monkeypatch, tmp_path, command, target, l
         value = want = str(tmp_path)
     overrides = _captured(monkeypatch, command, target, [*lead, flag, *([value] if value is not None else [])])
     name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
-    key = ENGINE_ARGS[name]
+    key = ENGINE_ARGS.get(name) or NEGATED_ARGS[name]
     recipe = load_recipe(None, overrides)
     got = recipe
     for part in key.split("."):
@@ -57,7 +58,8 @@ def test_each_flag_sets_its_recipe_key(monkeypatch, tmp_path, command, target, l
 
 def test_every_flag_is_tested_and_flags_come_after_set(monkeypatch):
     named = {f.removeprefix("--no-").removeprefix("--").replace("-", "_") for f, _, _ in FLAGS}
-    assert named == set(ENGINE_ARGS) - {"device", "kv_cache_memory", "num_gpu_blocks_override", "swap_space"}
+    assert named == set(ENGINE_ARGS) - {"device", "kv_cache_memory", "num_gpu_blocks_override", "swap_space"} \
+        | set(NEGATED_ARGS)
     overrides = _captured(monkeypatch, "generate", "pagedrun.cli.generate.run_generate",
                           ["p.jsonl", "--set", "scheduler.max_num_seqs=7", "--max-num-seqs", "5"])
     assert load_recipe(None, overrides).scheduler.max_num_seqs == 5  # the flag wins, as a later --set would
