@@ -16,6 +16,7 @@ absolute position context_lens[i] + j and attends (causally) to cache positions 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -52,19 +53,13 @@ class AttentionMetadata:
               device: torch.device | str = "cpu") -> AttentionMetadata:
         """Sequence i computes query_lens[i] tokens after context_lens[i] cached ones, through
         block_tables[i]; num_pad_tokens trailing tokens get slot -1 (neither written nor read)."""
-        slots: list[int] = []
-        for q, c, table in zip(query_lens, context_lens, block_tables):
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+        slots = _slots(query_lens, context_lens, block_tables, block_size)
         slots.extend([-1] * num_pad_tokens)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        width = table_width or max(len(t) for t in block_tables)
-        # One tensor from padded lists: a tensor per row was a visible cost of a decode step
-        # (docs/log/2026-11-26-python-between-kernels.md, docs/log/2026-11-27-figures-from-code-comments.md).
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        tables = tables.view(len(block_tables), width)  # [0, width] when there are no sequences
+        tables = _tables(block_tables, table_width)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -78,6 +73,20 @@ class AttentionMetadata:
             seq_lens_list=seq_lens,
         )
 
+    @classmethod
+    def build_groups(cls, query_lens: list[int], context_lens: list[int], group_tables: list[list[list[int]]],
+                     block_size: int, *, device: torch.device | str = "cpu") -> list[AttentionMetadata]:
+        """One metadata per KV cache group (group_tables[g][i]: sequence i's table in group g): the
+        first built in full, the others sharing its per-sequence tensors and lists, with their own
+        slot mapping and block tables (the only fields that differ between groups)."""
+        first = cls.build(query_lens, context_lens, group_tables[0], block_size, device=device)
+        out = [first]
+        for tables in group_tables[1:]:
+            slots = torch.tensor(_slots(query_lens, context_lens, tables, block_size), dtype=torch.int64, device=device)
+            out.append(dataclasses.replace(first, slot_mapping=slots, block_tables=_tables(tables).to(device),
+                                           backend_state={}))
+        return out
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
@@ -90,6 +99,23 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         """Every sequence contributes exactly one query token: the paged decode kernels apply."""
         return self.max_query_len == 1
+
+
+def _slots(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int) -> list[int]:
+    """The cache slot of every new token, sequence after sequence."""
+    slots: list[int] = []
+    for q, c, table in zip(query_lens, context_lens, block_tables):
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    return slots
+
+
+def _tables(block_tables: list[list[int]], table_width: int | None = None) -> torch.Tensor:
+    """[num_seqs, width] int32, each table padded with 0."""
+    width = table_width or max(len(t) for t in block_tables)
+    # One tensor from padded lists: a tensor per row was a visible cost of a decode step
+    # (docs/log/2026-11-26-python-between-kernels.md, docs/log/2026-11-27-figures-from-code-comments.md).
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    return tables.view(len(block_tables), width)  # [0, width] when there are no sequences
 
 
 # What a model's forward takes: one metadata for every layer, or one per layer. With the hybrid KV

@@ -42,8 +42,9 @@ class ModelRunner:
             positions.extend(range(inp.start_pos, inp.start_pos + len(inp.token_ids)))
         query_lens, starts = [len(inp.token_ids) for inp in inputs], [inp.start_pos for inp in inputs]
         # One metadata per group: the same sequences and positions, each group's own blocks.
-        metas = [AttentionMetadata.build(query_lens, starts, [inp.block_tables[g] for inp in inputs],
-                                         self.block_size, device=self.device) for g in range(self.num_groups)]
+        metas = AttentionMetadata.build_groups(query_lens, starts, [[inp.block_tables[g] for inp in inputs]
+                                                                    for g in range(self.num_groups)],
+                                               self.block_size, device=self.device)
         meta: StepMetadata = metas[0] if self.num_groups == 1 else [metas[g] for g in self.layer_groups]
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
