@@ -28,7 +28,7 @@ def check_stop(seq: Sequence, params: SamplingParams, eos_token_ids: set[int], m
 
 def _matches_stop_string(seq: Sequence, params: SamplingParams, tokenizer) -> bool:
     previous = len(seq.text)
-    seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    seq.text = detokenize_incrementally(seq, tokenizer)
     longest = max(len(s) for s in params.stop)
     # A stop string can straddle the previous and the new token: search from just before the new text.
     window_start = max(0, previous - longest + 1)
@@ -42,6 +42,26 @@ def _matches_stop_string(seq: Sequence, params: SamplingParams, tokenizer) -> bo
     seq.stop_text_cut = best[0]
     seq.finish("stop", best[1])
     return True
+
+
+def detokenize_incrementally(seq: Sequence, tokenizer) -> str:
+    """seq.text with the newest output tokens' text added, decoding a few tokens, not all of them
+    (vLLM's incremental detokenizer, on decode()): tokens [detok_prefix, detok_read) are decoded
+    again as context, so that a word piece's leading space comes out as the full decode gives it,
+    and the new tokens add what decoding them with that context adds. A decode that ends in an
+    unfinished UTF-8 sequence adds nothing yet (its bytes come with the next token). Where the
+    context's text is not a prefix of the longer decode the whole output is decoded once again.
+    Re-decoding the whole output every step made stop strings quadratic in the output's length."""
+    tokens = seq.output_token_ids
+    context = tokenizer.decode(tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=True)
+    text = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=True)
+    if text.endswith("\ufffd") or len(text) <= len(context):
+        return seq.text
+    if not text.startswith(context):
+        seq.detok_prefix = seq.detok_read = len(tokens)
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    seq.detok_prefix, seq.detok_read = seq.detok_read, len(tokens)
+    return seq.text + text[len(context) :]
 
 
 def final_text(seq: Sequence, tokenizer) -> str:

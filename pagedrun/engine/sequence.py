@@ -38,8 +38,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict] = field(default_factory=list)
-    # Text up to and including the last token, kept only while stop strings must be checked.
+    # The output's text so far, kept only while stop strings must be checked, decoded incrementally
+    # (engine/output_processor.py): output tokens [detok_prefix, detok_read) are the context the
+    # next decode starts from; tokens from detok_read on are not in `text` yet.
     text: str = ""
+    detok_prefix: int = 0
+    detok_read: int = 0
     stop_text_cut: int | None = None  # length of the text to keep when a stop string matched
 
     @property
