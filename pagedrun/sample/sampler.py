@@ -3,9 +3,11 @@
 Logit bias and penalties come first (sample/penalties.py), for the rows that ask for them. Greedy rows
 take the argmax. Random rows are processed together: temperature, then top-k, top-p
 and min-p masks, then one draw by the "exponential race" (argmax of p_i / E_i with E_i ~ Exp(1)),
-which samples exactly from p. Each seeded sequence draws its E_i from its own torch.Generator, one
-vocabulary-sized draw per token, so its tokens depend only on its seed and its own history, never
-on which other requests share the batch or in which order they arrived.
+which samples exactly from p. On the CPU each seeded sequence draws its E_i from its own
+torch.Generator, one vocabulary-sized draw per token; on a GPU (or with rng="counter") they are a
+hash of the seed, the token's position and the vocabulary index, computed on the device for all
+rows at once (sample/counter_rng.py). Either way a sequence's tokens depend only on its seed and
+its own history, never on which other requests share the batch or in which order they arrived.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedrun.sample import counter_rng
 from pagedrun.sample.argmax import argmax_rows
 from pagedrun.sample.penalties import apply_penalties
 from pagedrun.sampling_params import SamplingParams
@@ -44,8 +47,15 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, rng: str = "auto"):
+        """rng: "generator" (a torch.Generator per seeded sequence, drawn on the CPU), "counter"
+        (counter-based draws on the logits' device), or "auto": counter on CUDA, else generator."""
+        if rng not in ("auto", "generator", "counter"):
+            raise ValueError(f"rng must be auto, generator or counter, got {rng!r}")
         self.global_generator = make_generator(seed)
+        self.seed = seed
+        self.rng = rng
+        self.num_calls = 0  # the unseeded rows' counter on the counter path
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         if all(r.grammar is None and r.params.is_greedy and r.params.logprobs is None and not r.params.has_penalties
@@ -68,9 +78,15 @@ class Sampler:
         elif greedy:
             idx = torch.tensor(greedy)
             token_ids[idx] = argmax_rows(logits[idx]).cpu()
+        self.num_calls += 1
         if random:
             idx = torch.tensor(random)
             probs = self._processed_probs(logits[idx], [rows[i].params for i in random])
+            if self.rng == "counter" or (self.rng == "auto" and probs.device.type == "cuda"):
+                exp = counter_rng.exponentials(self._keys(rows, random), vocab, probs.device)
+                token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
+                ids = token_ids.tolist()
+                return SampleResult(ids, self._logprobs(raw, rows, ids))
             exp = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(random) if rows[i].generator is None]
             if unseeded:
@@ -85,6 +101,18 @@ class Sampler:
 
         ids = token_ids.tolist()
         return SampleResult(ids, self._logprobs(raw, rows, ids))
+
+    def _keys(self, rows: list[SamplingRow], random: list[int]) -> list[int]:
+        """The counter path's key per random row: (seed, position of the token drawn); unseeded rows
+        take the run's seed, this call's number and the row's place (no reproducibility promised)."""
+        keys = []
+        for j, i in enumerate(random):
+            g, history = rows[i].generator, rows[i].history
+            if g is not None:
+                keys.append(counter_rng.row_key(g.initial_seed(), len(history[0])))
+            else:
+                keys.append(counter_rng.row_key(self.seed ^ (self.num_calls << 20), (1 << 31) + j))
+        return keys
 
     @staticmethod
     def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
