@@ -276,3 +276,20 @@ def test_config_errors(window_dirs, family, change, field):
         ModelConfig.from_hf_dict(cfg, "m/config.json")
     assert str(e.value).startswith(f"m/config.json: {field}:"), str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(ops.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_gelu_is_the_gemm_then_the_activation(dtype):
+    """linear_packed_gelu (one call, the layer runner's) gives the bits of the packed GEMM followed
+    by gelu_tanh_and_mul on its interleaved output, and HF's expression within rounding."""
+    torch.manual_seed(3)
+    i = 4 * ops.load().panel
+    x, weight = torch.randn(5, 64).to(dtype), (0.1 * torch.randn(2 * i, 64)).to(dtype)
+    packed, _ = ops.pack_gate_up(weight, None)
+    got = ops.gate_up_gelu(x, packed, None, i)
+    two_calls = ops.gelu_tanh_and_mul(ops.linear_packed(x, packed, None, 2 * i), block=packed.shape[2])
+    assert torch.equal(got, two_calls)
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), F.gelu(gate, approximate="tanh") * up, atol=tol, rtol=10 * tol)
