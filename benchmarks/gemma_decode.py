@@ -4,10 +4,12 @@ Both: 18 layers, hidden 640, 4 heads of 256, 1 KV head, MLP 2048, vocabulary 262
 embeddings. The Gemma model adds its sandwich norms, q/k norms, GeGLU, and sliding windows of 512
 on five layers in six (with --window 0: every layer full). Each model is written once as a random
 bf16 checkpoint under $PAGEDRUN_CACHE/bench/, then run through LLM.generate: --batch sequences of
---prompt random tokens, --tokens greedy tokens each. Decode tok/s = tokens sampled by decode-only
-steps / those steps' wall time (the engine's step records).
+--prompt random tokens, --tokens greedy tokens each. Decode tok/s = batch / the median wall time of
+the decode-only steps (the engine's step records: the median, as other processes share the cores).
+--no-runner runs every model's Python layer loop (the C++ layer runner off).
 
     python benchmarks/gemma_decode.py [--dtype bfloat16] [--threads 2] [--batch 8] [--prompt 600]
+        [--window 512] [--models llama,gemma3,gemma3:0] [--repeat 2] [--no-runner]
 """
 from __future__ import annotations
 
@@ -54,24 +56,31 @@ def build(kind: str, root: Path, window: int) -> Path:
     return path
 
 
-def decode_rate(model_dir: Path, dtype: str, threads: int, batch: int, prompt: int, tokens: int) -> dict:
+def make_llm(model_dir: Path, dtype: str, threads: int, batch: int, runner: bool):
     from pagedrun.llm import LLM
-    from pagedrun.sampling_params import SamplingParams
 
     llm = LLM(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"model.threads={threads}",
                      "model.max_model_len=2048", "cache.block_size=16", f"cache.num_blocks={batch * 48 + 16}"])
+    if not runner:
+        llm.engine.worker.model.layer_runner = None
+    return llm
+
+
+def decode_rate(llm, batch: int, prompt: int, tokens: int) -> dict:
+    from pagedrun.sampling_params import SamplingParams
+
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 262144) for _ in range(prompt)]} for _ in range(batch)]
+    first = len(llm.engine.steps)
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), use_tqdm=False)
     wall = time.perf_counter() - t
-    steps = [s for s in llm.engine.steps if s.num_prefill_tokens == 0]
-    decode_s = sum(s.t_end - s.t_start for s in steps)
-    sampled = sum(s.num_sampled_tokens for s in steps)
+    steps = sorted(s.t_end - s.t_start for s in llm.engine.steps[first:] if s.num_prefill_tokens == 0)
+    median = steps[len(steps) // 2]
     model = llm.engine.worker.model
-    return {"model": model_dir.name, "dtype": dtype, "threads": threads, "batch": batch, "prompt": prompt,
-            "decode_tok_s": round(sampled / decode_s, 1), "decode_steps": len(steps), "wall_s": round(wall, 1),
-            "layer_runner": model.layer_runner is not None, "attention": llm.engine.worker.backend.last_path}
+    return {"model": llm.engine.worker.model_dir.name, "batch": batch, "prompt": prompt,
+            "decode_step_ms": round(1e3 * median, 1), "decode_tok_s": round(batch / median, 1),
+            "wall_s": round(wall, 1), "layer_runner": model.layer_runner is not None}
 
 
 def main() -> None:
@@ -82,16 +91,23 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=600)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--models", default="llama,gemma3")
+    ap.add_argument("--models", default="llama,gemma3", help="llama, gemma3, gemma3:<window>")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds, the models alternating within each")
+    ap.add_argument("--no-runner", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from pagedrun.build.cache import private_dir
 
     root = private_dir("bench")
-    for kind in args.models.split(","):
-        path = build(kind, root, args.window if kind == "gemma3" else 0)
-        print(json.dumps(decode_rate(path, args.dtype, args.threads, args.batch, args.prompt, args.tokens)),
-              flush=True)
+    llms = []
+    for spec in args.models.split(","):  # "gemma3", or "gemma3:0" for another window
+        kind, _, window = spec.partition(":")
+        window = int(window) if window else args.window if kind == "gemma3" else 0
+        llms.append(make_llm(build(kind, root, window), args.dtype, args.threads, args.batch, not args.no_runner))
+    print(json.dumps({"dtype": args.dtype, "threads": args.threads}), flush=True)
+    for _ in range(args.repeat):
+        for llm in llms:
+            print(json.dumps(decode_rate(llm, args.batch, args.prompt, args.tokens)), flush=True)
 
 
 if __name__ == "__main__":
