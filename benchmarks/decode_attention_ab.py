@@ -10,6 +10,9 @@ query per sequence, contexts of 120-380 tokens, blocks in random order: 30 x 18 
 sequences) is more than the L3 holds, so every layer's K/V comes from memory, as in a decode step.
 Prints the median time of each, the K/V read rate (bytes the contexts hold / time) and whether the
 two produce the same bits. Timings alternate, so a drift of the machine weighs on both.
+
+A REF from before the window and softcap arguments (issue 37) is called without them; --window W
+(default 0) times sliding-window decode in both (REF must then take the arguments).
 """
 from __future__ import annotations
 
@@ -32,13 +35,24 @@ HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 9, 3, 64, 30
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
 
 
-def decode_fn(kernel_dir: Path):
-    lib = ctypes.CDLL(str(cpu_build.build(kernel_dir / "paged_attention_cpu.cpp")))
+def decode_fn(kernel_dir: Path, window: int):
+    """The decode entry point, called with or without (window, softcap) after the scale, as its
+    source declares it."""
+    source = kernel_dir / "paged_attention_cpu.cpp"
+    lib = ctypes.CDLL(str(cpu_build.build(source)))
     fn = lib.paged_attention_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
-        [ctypes.c_void_p] * 2
-    return fn
+    has_window = "int32_t window, float softcap" in source.read_text()
+    if window and not has_window:
+        raise SystemExit(f"decode_attention_ab: {kernel_dir} has no window argument")
+    variant = [ctypes.c_int32, ctypes.c_float] if has_window else []
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] + variant + \
+        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+
+    def call(*args):
+        head, tail = args[:16], args[16:]
+        return fn(*head, *((window, 0.0) if has_window else ()), *tail)
+    return call
 
 
 def main() -> None:
@@ -49,6 +63,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--window", type=int, default=0)
     args = ap.parse_args()
     dtype, code = DTYPES[args.dtype]
     bs, nseq = args.block_size, args.seqs
@@ -69,8 +84,8 @@ def main() -> None:
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_SIZE * 2 * layers[0][1].element_size() * LAYERS
 
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {"ref": decode_fn(ref_tree(args.ref, Path(tmp)) / "kernels" / "cpu"),
-               "tree": decode_fn(ROOT / "kernels" / "cpu")}
+        fns = {"ref": decode_fn(ref_tree(args.ref, Path(tmp)) / "kernels" / "cpu", args.window),
+               "tree": decode_fn(ROOT / "kernels" / "cpu", args.window)}
     outs = {name: [torch.empty(nseq, HEADS, HEAD_SIZE, dtype=dtype) for _ in range(LAYERS)] for name in fns}
     times: dict[str, list[float]] = {name: [] for name in fns}
 

@@ -86,19 +86,26 @@ inline void amx_scores16(const uint16_t* qb, int64_t hd, const AmxChunk& ck, flo
   _tile_stored(1, s + 16, kKeysPerChunk * 4);
 }
 
-// One row's online-softmax step over the chunk's 32 scores (sr, Q.K^T unscaled; keys from `seen`
-// on, and so every key past the chunk's, weigh 0): running max m and sum l updated, P rounded to
-// bf16 into pb; returns the factor exp(old m - new m) the row's accumulator is to be scaled by.
-// Two vectors and two reductions a row, where softmax_chunk (shared with the 8-wide builds) goes
-// 8 lanes at a time and reduces in scalars.
-inline float softmax_row32(const float* sr, int64_t seen, float scale, float& m, float& l, uint16_t* pb) {
+// One row's online-softmax step over the chunk's 32 scores (sr, Q.K^T unscaled; only keys [lo, seen)
+// weigh: lo > 0 under a sliding window, and every key past the chunk's is past `seen`): scaled, capped
+// (softcap > 0), running max m and sum l updated, P rounded to bf16 into pb; returns the factor
+// exp(old m - new m) the row's accumulator is to be scaled by. Two vectors and two reductions a row,
+// where softmax_chunk (shared with the 8-wide builds) goes 8 lanes at a time and reduces in scalars.
+inline float softmax_row32(const float* sr, int64_t lo, int64_t seen, float scale, float softcap, float& m, float& l,
+                           uint16_t* pb) {
   static_assert(kKeysPerChunk == 32 && kVec == 16, "two AVX-512 vectors of scores");
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
   const __m512 ninf = _mm512_set1_ps(-__builtin_inff()), sc = _mm512_set1_ps(scale);
-  const __m512i lim = _mm512_set1_epi32(int(seen));
+  const __m512i lim = _mm512_set1_epi32(int(seen)), first = _mm512_set1_epi32(int(lo));
   __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), sc), x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), sc);
-  x0 = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(iota, lim), x0, ninf);
-  x1 = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), lim), x1, ninf);
+  if (softcap > 0.0f) {  // cap * tanh(x / cap), as softcap_scores computes it
+    const vgf k = broadcast_v(2.0f / softcap), cap = broadcast_v(softcap), two_cap = broadcast_v(2.0f * softcap);
+    x0 = (__m512)(cap - two_cap / (exp_v((vgf)x0 * k) + 1.0f));
+    x1 = (__m512)(cap - two_cap / (exp_v((vgf)x1 * k) + 1.0f));
+  }
+  x0 = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(iota, lim) | _mm512_cmplt_epi32_mask(iota, first), x0, ninf);
+  x1 = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(iota16, lim) | _mm512_cmplt_epi32_mask(iota16, first), x1, ninf);
   const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));  // finite: seen >= 1
   float f = 1.0f;
   if (cmax > m) {
@@ -154,37 +161,43 @@ inline void amx_weighted16(int rows, float* acc, const float* f, int64_t hd, Amx
 }
 
 // attend_rows_tiled on tiles: rows [r0, r1) of an item (q rows in qb, bf16, unscaled; row r is
-// token t0 + (r - r0) / group, which sees the chunk's first min(n, vis + t) keys).
-inline void attend_rows_amx(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, const uint16_t* qb,
-                            float scale, float* s, float* acc, float* m, float* l, AmxChunk& ck, int64_t n,
-                            int64_t hd) {
+// token t0 + (r - r0) / group, which sees the chunk's keys [max(0, vis + t - window), min(n, vis + t)),
+// from 0 without a window).
+inline void attend_rows_amx(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, int64_t window,
+                            float softcap, const uint16_t* qb, float scale, float* s, float* acc, float* m, float* l,
+                            AmxChunk& ck, int64_t n, int64_t hd) {
   for (int64_t r = r0; r < r1; r += 16) {
     const int rows = int(std::min<int64_t>(16, r1 - r));
     amx_scores16(qb + r * hd, hd, ck, s + r * kKeysPerChunk);
     float f[16];
     for (int j = 0; j < rows; ++j) {
-      const int64_t seen = std::min<int64_t>(n, vis + t0 + (r + j - r0) / group);
-      f[j] = softmax_row32(s + (r + j) * kKeysPerChunk, seen, scale, m[r + j], l[r + j], ck.p + j * kKeysPerChunk);
+      const int64_t own = vis + t0 + (r + j - r0) / group, lo = window > 0 ? std::max<int64_t>(0, own - window) : 0;
+      f[j] = softmax_row32(s + (r + j) * kKeysPerChunk, lo, std::min<int64_t>(n, own), scale, softcap, m[r + j],
+                           l[r + j], ck.p + j * kKeysPerChunk);
     }
     for (int j = rows; j < 16; ++j) std::memset(ck.p + j * kKeysPerChunk, 0, kKeysPerChunk * 2);
     amx_weighted16(rows, acc + r * hd, f, hd, ck);
   }
 }
 
-// An item's keys [0, pos0 + ntok) in chunks of 32 across blocks (the FMA path's chunks stop at a
+// An item's keys [start, pos0 + ntok) in chunks of 32 across blocks (the FMA path's chunks stop at a
 // block's end: 16 keys with 16-token blocks, half a tile), every kv head of the item, each chunk
-// packed once for all of the head's rows. Rows: as attend_item's (q rows in qb).
+// packed once for all of the head's rows. start: its first token's first key (0 without a window:
+// nothing below it is read). Rows: as attend_item's (q rows in qb).
 template <typename E, typename It>
-void attend_chunks_amx(const It& it, const E* key_cache, const E* value_cache, const int32_t* table,
-                       int64_t tok_stride, int64_t block_size, int64_t group, int64_t hd, float scale,
-                       const uint16_t* qb, float* s, float* acc, float* m, float* l, AmxChunk& ck) {
+void attend_chunks_amx(const It& it, int64_t start, int64_t window, float softcap, const E* key_cache,
+                       const E* value_cache, const int32_t* table, int64_t tok_stride, int64_t block_size,
+                       int64_t group, int64_t hd, float scale, const uint16_t* qb, float* s, float* acc, float* m,
+                       float* l, AmxChunk& ck) {
   const int64_t end = it.pos0 + it.ntok, head_rows = it.ntok * group;
   const uint16_t* kr[kKeysPerChunk];
   const uint16_t* vr[kKeysPerChunk];
-  for (int64_t p0 = 0; p0 < end; p0 += kKeysPerChunk) {
+  for (int64_t p0 = start; p0 < end; p0 += kKeysPerChunk) {
     const int64_t n = std::min<int64_t>(kKeysPerChunk, end - p0);
-    // Rows [t_vis, ntok) of each head see at least one of the chunk's keys (token t: min(n, vis + t)).
+    // Rows [t_vis, t_end) of each head see at least one of the chunk's keys (token t: from
+    // max(0, vis + t - window) to min(n, vis + t)); later tokens' windows have left the chunk.
     const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, 1 - vis);
+    const int64_t t_end = window > 0 ? std::min<int64_t>(it.ntok, n + window - vis) : it.ntok;
     for (int64_t h = it.kv0; h < it.kv1; ++h) {
       for (int64_t c = 0; c < n; ++c) {
         const int64_t pos = p0 + c, slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
@@ -193,7 +206,8 @@ void attend_chunks_amx(const It& it, const E* key_cache, const E* value_cache, c
       }
       ck.pack(kr, vr, n, hd);
       const int64_t r0 = (h - it.kv0) * head_rows;
-      attend_rows_amx(r0 + t_vis * group, r0 + head_rows, t_vis, group, vis, qb, scale, s, acc, m, l, ck, n, hd);
+      attend_rows_amx(r0 + t_vis * group, r0 + t_end * group, t_vis, group, vis, window, softcap, qb, scale, s, acc,
+                      m, l, ck, n, hd);
     }
   }
 }

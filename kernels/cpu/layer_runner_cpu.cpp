@@ -16,13 +16,18 @@
 //   q, k = head_rms_norm(q), head_rms_norm(k)     Qwen3 only, in place, in qkv
 //   rope(q), rope(k)                              in place, in qkv
 //   cache[slot[t]] = k[t], v[t]                    the paged KV cache
-//   attn = paged attention(q, cache)              decode kernel, or varlen with prefill tokens
+//   attn = paged attention(q, cache)              decode kernel, or varlen with prefill tokens; the
+//                                                 layer's window and softcap, its group's block tables
 //   h = attn . Wo^T (+ b)
 //   x, residual = rms_norm(h, residual)
 //   mid = silu(x . Wgate^T) * (x . Wup^T)          one fused GEMM
 //   h = mid . Wdown^T (+ b)
 //
 // The caller adds the last h to residual in its final norm, as the Python loop's caller does.
+//
+// Block tables and slot mapping: the step's, for every layer; or, with the hybrid KV manager (layers
+// in KV cache groups, pagedrun/attention/metadata.py: one AttentionMetadata per group), layer l's come
+// from groups[layer_group[l]] (PrStep). Everything else in the step is the same for every layer.
 #include <cstdint>
 
 #define PR_EXPORT extern "C" __attribute__((visibility("default")))
@@ -43,14 +48,14 @@ using CacheFn = int (*)(const void* key, const void* value, void* key_cache, voi
 using DecodeFn = int (*)(void* out, const void* query, const void* key_cache, const void* value_cache,
                          const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, int64_t heads,
                          int64_t kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-                         int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int dtype,
-                         int threads, int kv_kind, const float* k_aux, const float* v_aux);
+                         int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int32_t window,
+                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux);
 using VarlenFn = int (*)(void* out, const void* query, const void* key_cache, const void* value_cache,
                          const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
                          const int32_t* context_lens, int64_t num_seqs, int64_t num_tokens, int64_t heads,
                          int64_t kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-                         int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int dtype,
-                         int threads, int kv_kind, const float* k_aux, const float* v_aux);
+                         int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int32_t window,
+                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux);
 
 }  // namespace
 
@@ -83,6 +88,15 @@ struct PrLayer {
   void* value_cache;
   const void* q_norm;  // Qwen3's per-head norms; null in the other families
   const void* k_norm;
+  int32_t window;  // the layer's sliding window (0: full attention)
+  float softcap;   // its logit soft-cap (0: none)
+};
+
+// One KV cache group's block tables [num_seqs, table_stride] and slot mapping [num_tokens].
+struct PrTables {
+  const int32_t* block_tables;
+  const int64_t* slot_mapping;
+  int64_t table_stride;
 };
 
 struct PrStep {
@@ -91,6 +105,8 @@ struct PrStep {
   const int64_t* positions;
   const int64_t* slot_mapping;
   const int32_t *block_tables, *query_start_loc, *seq_lens, *context_lens;
+  const PrTables* groups;      // null: every layer reads block_tables / slot_mapping / table_stride above;
+  const int32_t* layer_group;  // else layer l reads groups[layer_group[l]]
 };
 
 struct PrBuffers {
@@ -120,6 +136,8 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
   char* value = key + kv_size * m->elem_size;
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const PrLayer& L = layers[l];
+    const PrTables own{s->block_tables, s->slot_mapping, s->table_stride};
+    const PrTables& g = s->groups ? s->groups[s->layer_group[l]] : own;
     int stage = 0;
     if (l == 0)
       PR_CALL(k->rms_norm(b->residual, nullptr, L.input_norm, b->x, T, H, H, 0, H, m->eps, threads));
@@ -132,17 +150,17 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
     }
     PR_CALL(k->rope(q, s->positions, m->cos, m->sin, T, m->num_heads, hd, qkv_n, m->max_pos, threads));
     PR_CALL(k->rope(key, s->positions, m->cos, m->sin, T, m->num_kv_heads, hd, qkv_n, m->max_pos, threads));
-    PR_CALL(k->reshape_and_cache(key, value, L.key_cache, L.value_cache, s->slot_mapping, T, kv_size, qkv_n, qkv_n,
+    PR_CALL(k->reshape_and_cache(key, value, L.key_cache, L.value_cache, g.slot_mapping, T, kv_size, qkv_n, qkv_n,
                                  m->num_blocks * m->block_size, m->elem_size));
     if (s->decode_only)
-      PR_CALL(k->decode(b->attn, q, L.key_cache, L.value_cache, s->block_tables, s->seq_lens, s->num_seqs,
-                        m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, s->table_stride, qkv_n,
-                        q_size, m->scale, m->dtype_code, threads, 0, nullptr, nullptr));
+      PR_CALL(k->decode(b->attn, q, L.key_cache, L.value_cache, g.block_tables, s->seq_lens, s->num_seqs,
+                        m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, g.table_stride, qkv_n,
+                        q_size, m->scale, L.window, L.softcap, m->dtype_code, threads, 0, nullptr, nullptr));
     else
-      PR_CALL(k->varlen(b->attn, q, L.key_cache, L.value_cache, s->block_tables, s->query_start_loc, s->seq_lens,
+      PR_CALL(k->varlen(b->attn, q, L.key_cache, L.value_cache, g.block_tables, s->query_start_loc, s->seq_lens,
                         s->context_lens, s->num_seqs, T, m->num_heads, m->num_kv_heads, hd, m->block_size,
-                        m->num_blocks, s->table_stride, qkv_n, q_size, m->scale, m->dtype_code, threads, 0,
-                        nullptr, nullptr));
+                        m->num_blocks, g.table_stride, qkv_n, q_size, m->scale, L.window, L.softcap, m->dtype_code,
+                        threads, 0, nullptr, nullptr));
     PR_CALL(k->linear(b->attn, L.o_w, L.o_b, b->h, T, H, q_size, q_size, H, threads));
     PR_CALL(k->rms_norm(b->h, b->residual, L.post_norm, b->x, T, H, H, H, H, m->eps, threads));
     PR_CALL(k->linear_silu(b->x, L.gate_up_w, L.gate_up_b, b->mid, T, I, H, H, I, threads));

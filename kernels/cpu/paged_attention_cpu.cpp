@@ -19,6 +19,15 @@
 // written (NaN in the tests, stale data in the engine) is never read, and padding tokens
 // (past query_start_loc[num_seqs]) get zero rows.
 //
+// Sliding window (window > 0): a query at position p sees the keys (p - window, p]. An item starts
+// its chunks at its first token's first key, max(0, pos0 - window + 1), so no table entry below
+// it is read (the hybrid KV manager leaves placeholders there: anything, NaN included); a token whose
+// window starts inside a chunk takes the chunk from there (read alone: its rows start at that key;
+// tiled: the scores before it become -inf, over real rows), and one whose window has left the chunk
+// skips it. Without a window all of this is a start index of 0 per item and per token: no per-key
+// test anywhere. Soft-capping (softcap > 0): every score becomes softcap * tanh(score / softcap)
+// before the online softmax (softcap_scores, or softmax_row32 on AMX).
+//
 // Return value: 0 on success, negative when an argument is out of range (the caller falls back to
 // torch or raises); nothing is written in that case.
 
@@ -57,7 +66,12 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride;
   int64_t q_stride, o_stride;  // elements between consecutive tokens of query / out
   float scale;
+  int64_t window;  // keys a query sees, itself included (0: all before it)
+  float softcap;   // scores capped at softcap * tanh(score / softcap) (0: not capped)
 };
+
+// The first key position a query at `pos` sees.
+inline int64_t first_key(int64_t pos, int64_t window) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
 
 // One unit of work: tokens [tok0, tok0 + ntok) of a sequence whose first of them sits at
 // absolute position pos0 (= context_len + j0), for kv heads [kv0, kv1). A decode item takes every kv
@@ -136,23 +150,27 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   std::fill(m, m + rows, -__builtin_inff());
   std::fill(l, l + rows, 0.0f);
 
-  const int64_t end = it.pos0 + it.ntok;  // keys [0, end) are visible to the tile's last token
+  const int64_t end = it.pos0 + it.ntok;  // keys [start, end) are visible to some token of the tile
+  const int64_t start = first_key(it.pos0, sh.window), window = sh.window;
   if (amx) {
 #ifdef PR_ATTENTION_AMX
-    attend_chunks_amx(it, key_cache, value_cache, table, tok_stride, sh.block_size, group, hd, sh.scale,
-                      sc.qb.data(), s, acc, m, l, *sc.chunk);
+    attend_chunks_amx(it, start, window, sh.softcap, key_cache, value_cache, table, tok_stride, sh.block_size, group,
+                      hd, sh.scale, sc.qb.data(), s, acc, m, l, *sc.chunk);
 #endif
   } else {
-    for (int64_t p0 = 0; p0 < end;) {
+    for (int64_t p0 = start; p0 < end;) {
       const int64_t blk = p0 / sh.block_size, off = p0 % sh.block_size;
-      // Tokens [t_vis, ntok) see at least one key of the chunk (token t: the first min(n, vis + t)):
-      // together (attend_rows_tiled) when there are two or more, else one at a time. Tiled rows read
+      // Tokens [t_vis, t_end) see at least one key of the chunk (token t: keys [max(0, vis + t - window),
+      // min(n, vis + t)), from 0 without a window; the later ones' windows have left it): together
+      // (attend_rows_tiled) when there are two or more, else one at a time. Tiled rows read
       // the chunk through fp32 copies (kt, vf), so their chunks may span blocks: at block size 16,
       // 32 keys halve the softmax updates per key, which shortens long prompts' prefill
       // (docs/log/2026-11-27-decode-prefetch-prefill-chunks.md); rows read in place keep to one block.
       const int64_t vis = it.pos0 + 1 - p0, t_vis = std::max<int64_t>(0, -vis + 1);
-      const bool tiled = it.ntok - t_vis >= 2;
-      const int64_t n = std::min<int64_t>({kKeysPerChunk, tiled ? end - p0 : sh.block_size - off, end - p0});
+      const int64_t n_tiled = std::min<int64_t>(kKeysPerChunk, end - p0);
+      auto t_end = [&](int64_t nk) { return window > 0 ? std::min<int64_t>(it.ntok, nk + window - vis) : it.ntok; };
+      const bool tiled = t_end(n_tiled) - t_vis >= 2;
+      const int64_t n = tiled ? n_tiled : std::min<int64_t>(n_tiled, sh.block_size - off);
       const int64_t row0 = ((int64_t)table[blk] * sh.block_size + off) * tok_stride;
       // The next chunk's rows sit in another block (somewhere else in memory): ask for them while
       // this one computes, a line at a time from inside its loops (Prefetcher above); what they did
@@ -162,7 +180,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       const bool last_chunk = p0 + n >= end;
       const Item* pit = last_chunk ? next_item : &it;
       if (pit) {
-        const int64_t q0 = last_chunk ? 0 : p0 + n, nb = q0 / sh.block_size, noff = q0 % sh.block_size;
+        const int64_t q0 = last_chunk ? first_key(pit->pos0, window) : p0 + n;
+        const int64_t nb = q0 / sh.block_size, noff = q0 % sh.block_size;
         const int32_t* ptable = block_tables + pit->seq * sh.table_stride;
         const int64_t nrow0 = ((int64_t)ptable[nb] * sh.block_size + noff) * tok_stride + pit->kv0 * hd;
         pf.k = reinterpret_cast<const char*>(key_cache + nrow0);
@@ -207,23 +226,24 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           for (int64_t d = 0; d < hd; ++d)
             for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
           const int64_t r0 = (h - it.kv0) * head_rows;
-          attend_rows_tiled(r0 + t_vis * group, r0 + it.ntok * group, t_vis, group, vis, qf, s, acc, m, l, p, kt, vf,
-                            n, nv, hd, &pf);
+          attend_rows_tiled(r0 + t_vis * group, r0 + t_end(n) * group, t_vis, group, vis, window, sh.softcap, qf, s,
+                            acc, m, l, p, kt, vf, n, nv, hd, &pf);
           continue;
         }
         // One token at a time over the chunk's K and V rows, kstride elements apart: in place (float
-        // or bf16), or widened into scratch.
+        // or bf16), or widened into scratch. Token t takes the chunk's keys [c0, nr).
         const int64_t base = row0 + h * hd;
         auto attend_alone = [&](const auto* kp, const auto* vp, int64_t kstride) {
           for (int64_t t = 0; t < it.ntok; ++t) {
-            const int64_t nr = std::min<int64_t>(n, it.pos0 + t + 1 - p0);
-            if (nr <= 0) continue;
+            const int64_t nr = std::min<int64_t>(n, vis + t);
+            const int64_t c0 = window > 0 ? std::max<int64_t>(0, vis + t - window) : 0;
+            if (nr <= c0) continue;
             int64_t r = (h - it.kv0) * head_rows + t * group;
             // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
             for (const int64_t r_end = r + group; r < r_end;) {
               const int rows = int(std::min<int64_t>(kMaxGroupRows, r_end - r));
-              attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp, vp, kstride,
-                          nr, hd, &pf);
+              attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp + c0 * kstride,
+                          vp + c0 * kstride, kstride, nr - c0, hd, sh.softcap, &pf);
               r += rows;
             }
           }
@@ -306,14 +326,16 @@ int check_shape(const Shape& sh) {
   if (sh.head_size <= 0 || sh.head_size % 8 || sh.head_size > 1024) return -2;
   if (sh.block_size <= 0 || sh.num_blocks <= 0 || sh.table_stride < 0) return -3;
   if (sh.q_stride < sh.num_heads * sh.head_size || sh.o_stride < sh.num_heads * sh.head_size) return -4;
+  if (sh.window < 0 || !(sh.softcap >= 0.0f) || sh.softcap > 3.0e38f) return -10;  // NaN and inf refused too
   return 0;
 }
 
-// Every block a sequence of `len` tokens reads must be a real block of the cache.
-bool table_ok(const int32_t* table, int64_t len, const Shape& sh) {
+// Every block a sequence reads (positions [from, len)) must be a real block of the cache; the entries
+// below `from` (placeholders under a sliding window) are not even looked at.
+bool table_ok(const int32_t* table, int64_t from, int64_t len, const Shape& sh) {
   const int64_t nblk = (len + sh.block_size - 1) / sh.block_size;
   if (nblk > sh.table_stride) return false;
-  for (int64_t b = 0; b < nblk; ++b)
+  for (int64_t b = from / sh.block_size; b < nblk; ++b)
     if (table[b] < 0 || table[b] >= sh.num_blocks) return false;
   return true;
 }
@@ -334,12 +356,12 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
     const int64_t q0 = query_start_loc[i], q1 = query_start_loc[i + 1];
     const int64_t qlen = q1 - q0, ctx = context_lens[i];
     if (qlen < 0 || q1 > num_tokens || ctx < 0 || seq_lens[i] != ctx + qlen) return -6;
-    if (!table_ok(block_tables + i * sh.table_stride, ctx + qlen, sh)) return -7;
+    if (!table_ok(block_tables + i * sh.table_stride, first_key(ctx, sh.window), ctx + qlen, sh)) return -7;
     for (int64_t j = 0; j < qlen; j += tile) {
-      const int64_t nt = std::min(tile, qlen - j);
+      const int64_t nt = std::min(tile, qlen - j), keys = ctx + j + nt - first_key(ctx + j, sh.window);
       max_rows = std::max(max_rows, nt * group);
       for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-        items.push_back(Item{i, q0 + j, nt, ctx + j, h, h + 1, nt * (ctx + j + nt)});
+        items.push_back(Item{i, q0 + j, nt, ctx + j, h, h + 1, nt * keys});
     }
   }
   using E = typename KV::E;
@@ -360,9 +382,10 @@ int decode(void* out_, const void* query_, const void* key_cache_, const void* v
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t len = seq_lens[i];
     if (len <= 0) return -6;
-    if (!table_ok(block_tables + i * sh.table_stride, len, sh)) return -7;
+    const int64_t from = first_key(len - 1, sh.window);  // decode reads keys [from, len) only
+    if (!table_ok(block_tables + i * sh.table_stride, from, len, sh)) return -7;
     for (int64_t h = 0; h < sh.num_kv_heads; h += heads_per_item)
-      items.push_back(Item{i, i, 1, len - 1, h, h + heads_per_item, len * heads_per_item});
+      items.push_back(Item{i, i, 1, len - 1, h, h + heads_per_item, (len - from) * heads_per_item});
   }
   using E = typename KV::E;
   run_items<T, KV>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const E*>(key_cache_),
@@ -407,17 +430,20 @@ int dispatch(int dtype, int kv_kind, const float* k_aux, const float* v_aux, int
 }  // namespace
 
 // Every query of sequence i (tokens query_start_loc[i]..query_start_loc[i+1], at positions
-// context_lens[i] + j) attends causally to cache positions 0..context_lens[i] + j; rows of tokens
-// past query_start_loc[num_seqs] are zeroed. seq_lens[i] must equal context_lens[i] + query length.
+// p = context_lens[i] + j) attends causally to cache positions 0..p (window > 0: the window keys
+// max(0, p - window + 1)..p; softcap > 0: scores capped); rows of tokens past query_start_loc[num_seqs]
+// are zeroed. seq_lens[i] must equal context_lens[i] + query length. Window and softcap: the layer's
+// (pagedrun/attention/backend.py); table entries below a sequence's first query's window are not read.
 PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* query_start_loc,
                                      const int32_t* seq_lens, const int32_t* context_lens, int64_t num_seqs,
                                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_size, int64_t block_size, int64_t num_blocks,
                                      int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale,
-                                     int dtype, int num_threads, int kv_kind, const float* k_aux,
-                                     const float* v_aux) {
-  const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale};
+                                     int32_t window, float softcap, int dtype, int num_threads, int kv_kind,
+                                     const float* k_aux, const float* v_aux) {
+  const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
+                 window, softcap};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0 || num_tokens < 0) return -6;
   num_threads = std::max(1, num_threads);
@@ -429,14 +455,16 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
 }
 
 // One query per sequence (query and out [num_seqs, num_heads, head_size]) over its seq_lens[i]
-// cached tokens.
+// cached tokens: the last `window` of them when window > 0 (the table entries before those are not read).
 PR_EXPORT int paged_attention_decode(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                                      int64_t block_size, int64_t num_blocks, int64_t table_stride,
-                                     int64_t q_stride, int64_t o_stride, float scale, int dtype, int num_threads,
-                                     int kv_kind, const float* k_aux, const float* v_aux) {
-  const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale};
+                                     int64_t q_stride, int64_t o_stride, float scale, int32_t window, float softcap,
+                                     int dtype, int num_threads, int kv_kind, const float* k_aux,
+                                     const float* v_aux) {
+  const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
+                 window, softcap};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0) return -6;
   num_threads = std::max(1, num_threads);

@@ -21,7 +21,7 @@ from pagedrun.build import cpu as cpu_build
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_i64, _i32, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 KV_PLAIN, KV_FP8, KV_INT8 = 0, 1, 2  # how the kernel widens cache rows (kernels/cpu: KvKind)
 
 
@@ -62,9 +62,11 @@ class CpuAttentionKernels:
         self.so_path = so_path
         lib = ctypes.CDLL(str(so_path))
         lib.paged_attention_varlen.restype = _int
-        lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + [_f32, _int, _int, _int, _ptr, _ptr]
+        # ... scale, window, softcap, dtype, threads, kv kind, k_aux, v_aux
+        tail = [_f32, _i32, _f32, _int, _int, _int, _ptr, _ptr]
+        lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + tail
         lib.paged_attention_decode.restype = _int
-        lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + [_f32, _int, _int, _int, _ptr, _ptr]
+        lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + tail
         lib.paged_reshape_and_cache.restype = _int
         lib.paged_reshape_and_cache.argtypes = [_ptr] * 5 + [_i64] * 6
         lib.paged_attention_dtypes.restype = _int
@@ -97,29 +99,26 @@ class CpuAttentionKernels:
                context_lens, scale: float, num_threads: int, kv: KVReader | None = None, *, window: int = 0,
                softcap: float = 0.0) -> int:
         """All int tensors int32 and contiguous; query/out [tokens, heads, hd] with contiguous rows;
-        key/value caches contiguous, every tensor of the same dtype."""
-        if window or softcap:
-            return -10  # the C kernels do not take them yet
+        key/value caches contiguous, every tensor of the same dtype. window / softcap: the layer's
+        (pagedrun/attention/backend.py; 0 = off)."""
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         return self._lib.paged_attention_varlen(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr(),
             seq_lens.shape[0], query.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
-            scale, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
+            scale, window, softcap, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
         )
 
     def decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale: float,
                num_threads: int, kv: KVReader | None = None, *, window: int = 0, softcap: float = 0.0) -> int:
-        if window or softcap:
-            return -10  # the C kernels do not take them yet
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         return self._lib.paged_attention_decode(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(),
             seq_lens.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
-            scale, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
+            scale, window, softcap, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
         )
 
 

@@ -13,6 +13,12 @@ reads the cache unquantized, and no forward hook on a decoder layer (the layers 
 by one here); Qwen3's per-head q/k norms are the kernel the loop calls too (ops.rms_norm on a
 [T, heads, hd] view). Everything else, and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which
 stays the reference (tests/models/test_layer_runner.py compares the two).
+
+Each layer's attention variant (sliding window, logit soft-cap) is read once from its attention
+module's `window` / `softcap` attributes (absent: 0, off). With one AttentionMetadata per layer (the
+hybrid KV manager's KV cache groups) the step passes each distinct metadata's block tables and slot
+mapping once (PrTables) and every layer the index of its own: the rest of the metadata is the same
+for all of them.
 """
 from __future__ import annotations
 
@@ -49,13 +55,18 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
                                           "gate_up_b", "down_w", "down_b", "key_cache", "value_cache", "q_norm",
                                           "k_norm")]
+    _fields_ += [("window", _i32), ("softcap", _f32)]
+
+
+class _Tables(ctypes.Structure):
+    _fields_ = [("block_tables", _ptr), ("slot_mapping", _ptr), ("table_stride", _i64)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("num_seqs", _i64), ("table_stride", _i64), ("decode_only", _i32),
                 ("threads", _i32)]
     _fields_ += [(name, _ptr) for name in ("positions", "slot_mapping", "block_tables", "query_start_loc",
-                                           "seq_lens", "context_lens")]
+                                           "seq_lens", "context_lens", "groups", "layer_group")]
 
 
 class _Buffers(ctypes.Structure):
@@ -102,6 +113,7 @@ class LayerRunner:
         self.eps = cfg.rms_norm_eps
         self._kv_key: tuple | None = None  # the caches the layer table was built for
         self._layers = None
+        self._uniform = False  # every layer's caches have layer 0's shape (checked by _build)
         self._model_args = None
         self._kernels = None
         self._status = ctypes.c_int(0)
@@ -142,7 +154,9 @@ class LayerRunner:
             row.key_cache, row.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
             if attn.qk_norm:  # null otherwise: the C loop skips the per-head norms
                 row.q_norm, row.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+            row.window, row.softcap = int(getattr(attn, "window", 0) or 0), float(getattr(attn, "softcap", 0.0) or 0.0)
         key_cache = kv_caches[0][0]
+        self._uniform = all(len(kv) == 2 and kv[0].shape == kv[1].shape == key_cache.shape for kv in kv_caches)
         rotary = self.model.rotary_emb
         self._model_args = _Model(
             len(kv_caches), self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
@@ -172,9 +186,10 @@ class LayerRunner:
     def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, metas: Sequence[AttentionMetadata], backend):
         """(h, residual) after the last layer, as the Python loop leaves them; None: run the loop.
         metas: one AttentionMetadata per layer (attention/metadata.py: per_layer)."""
-        if any(m is not metas[0] for m in metas):
-            return None  # per-group block tables (the hybrid KV manager): the loop runs them
         meta = metas[0]
+        groups = _Groups.of(metas)
+        if groups is False:
+            return None  # metadata that differ in more than their tables: not a step of one batch
         kern = self._usable(h, positions, kv_caches, meta, backend)
         if kern is None:
             return None
@@ -182,6 +197,8 @@ class LayerRunner:
         if key != self._kv_key:
             self._build(kv_caches, kern)
             self._kv_key = key
+        if not self._uniform:
+            return None  # layers' caches of different shapes: the model table has one
         t, dtype = h.shape[0], self.dtype
         residual = h  # the embeddings; the first layer's norm reads them, the later ones add to them
         out = torch.empty(t, self.hidden, dtype=dtype)
@@ -194,7 +211,8 @@ class LayerRunner:
         slots = int_arg(meta.slot_mapping, torch.int64)
         step = _Step(t, meta.num_seqs, tables.shape[1], int(meta.is_decode_only and meta.num_seqs == t),
                      torch.get_num_threads(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                     starts.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr())
+                     starts.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr(),
+                     *(groups.pointers() if groups else (None, None)))
         buffers = _Buffers(residual.data_ptr(), out.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                            mid.data_ptr())
         where = self.lib.run(ctypes.byref(self._kernels), ctypes.byref(self._model_args), self._layers,
@@ -205,6 +223,38 @@ class LayerRunner:
                                f"(status {self._status.value}): a bug, please report it")
         backend.last_path, backend.cpu_kernel_error = "cpu_kernel", None
         return out, residual
+
+
+class _Groups:
+    """The distinct metadata of a step's layers (KV cache groups): their tables as C reads them
+    (PrTables), and each layer's index into them. Holds the tensors the pointers point into."""
+
+    def __init__(self, metas: Sequence[AttentionMetadata]) -> None:
+        index: dict[int, int] = {}
+        self.metas: list[AttentionMetadata] = []
+        for m in metas:
+            if id(m) not in index:
+                index[id(m)] = len(self.metas)
+                self.metas.append(m)
+        self.layer_group = torch.tensor([index[id(m)] for m in metas], dtype=torch.int32)
+        self.tensors = [(int_arg(m.block_tables, torch.int32), int_arg(m.slot_mapping, torch.int64))
+                        for m in self.metas]
+        self.tables = (_Tables * len(self.metas))(*(
+            _Tables(tables.data_ptr(), slots.data_ptr(), tables.shape[1]) for tables, slots in self.tensors))
+
+    @classmethod
+    def of(cls, metas: Sequence[AttentionMetadata]) -> _Groups | None | bool:
+        """None: every layer has the same metadata; False: they differ in more than their tables."""
+        first = metas[0]
+        if all(m is first for m in metas):
+            return None
+        groups = cls(metas)
+        same = all(m.query_lens_list == first.query_lens_list and m.seq_lens_list == first.seq_lens_list
+                   and m.num_tokens == first.num_tokens and m.block_size == first.block_size for m in groups.metas)
+        return groups if same else False
+
+    def pointers(self) -> tuple[int, int]:
+        return ctypes.addressof(self.tables), self.layer_group.data_ptr()
 
 
 def _hooked(layers) -> bool:

@@ -1,5 +1,6 @@
 """The Llama family in one file: Llama 2/3 (GQA, RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (per-head
-q/k RMSNorm), Mistral (without sliding window); tied or untied embeddings.
+q/k RMSNorm), Mistral; tied or untied embeddings. A layer's sliding window is the config's
+(ModelConfig.window_of); the attention backend applies it.
 
 Reads like the paper: embed -> N x (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU MLP ->
 residual) -> RMSNorm -> lm_head. Tokens of all sequences in a step arrive flattened ([T]); the only
@@ -149,8 +150,14 @@ class RotaryEmbedding(DirectCall, nn.Module):
 
 
 class LlamaAttention(DirectCall, nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
+        # The layer's attention variant (pagedrun/attention/backend.py; 0 = off); the CPU layer runner
+        # reads the same two attributes.
+        self.window = config.window_of(layer_idx)
+        self.softcap = 0.0
+        # Passed to the backend only when set: backends that predate the keywords run full attention.
+        self.variant = {k: v for k, v in (("window", self.window), ("softcap", self.softcap)) if v}
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -185,7 +192,7 @@ class LlamaAttention(DirectCall, nn.Module):
         q, k = rotary(positions, q, k)
         # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
         key_cache, value_cache, *kv_scales = kv_cache
-        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales)
+        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, **self.variant)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -205,10 +212,10 @@ class LlamaMLP(DirectCall, nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -229,7 +236,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 

@@ -119,3 +119,54 @@ def test_window_larger_than_every_sequence_is_full_attention(request, use_cpu_ke
     full = Case(seqs, 8, 4, 2, 64, seed=3).check(use_cpu_kernel=use_cpu_kernel)
     wide = Case(seqs, 8, 4, 2, 64, seed=3, window=31).check(use_cpu_kernel=use_cpu_kernel)
     assert torch.equal(full, wide)
+
+
+@pytest.mark.parametrize("limit", [48, 1 << 20])
+def test_torch_decode_in_chunks_with_window(monkeypatch, limit):
+    """The torch path's batched decode, in chunks or not, gathers each sequence's window only (from the
+    block holding seq_len - window): the placeholders below it are never in the gather."""
+    from pagedrun.attention import torch_backend as TB
+
+    lens = [5, 40, 17, 1, 33, 64, 9, 120]
+    case = Case([(n - 1, 1) for n in lens], 8, 8, 2, 64, seed=limit, window=10, softcap=3.0)
+    assert case.placeholders() > 0
+    gathered, gather = [], TB._gather_decode
+
+    def spy(query, key_cache, value_cache, tables, seq_lens, max_len, scale, **variant):
+        out = gather(query, key_cache, value_cache, tables, seq_lens, max_len, scale, **variant)
+        ids, _, _ = TB._decode_blocks(tables, seq_lens, max_len, 8, variant["window"])
+        gathered.append(ids)
+        return out
+
+    monkeypatch.setattr(TB, "DECODE_GATHER_TOKENS", limit)
+    monkeypatch.setattr(TB, "_gather_decode", spy)
+    case.check(use_cpu_kernel=False)
+    assert (len(gathered) > 1) == (limit < 1000)
+    assert case.spare[0] not in torch.cat(gathered).tolist()
+
+
+def test_kernel_threads_give_identical_results_with_window(kern):
+    case = Case([(0, 60), (50, 1), (20, 19), (7, 1)], 16, 8, 2, 64, seed=13, window=11, softcap=7.0)
+    case.placeholders()
+    case.run()  # writes this step's K/V
+    outs = []
+    for threads in (1, 2):
+        out = torch.empty_like(case.query)
+        m = case.meta
+        assert kern.varlen(out, case.query, case.key_cache, case.value_cache, m.block_tables, m.query_start_loc,
+                           m.seq_lens, m.context_lens, case.scale, threads, window=11, softcap=7.0) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kernel_refuses_a_bad_variant(kern):
+    case = Case([(9, 1), (3, 4)], 8, 4, 2, 64, seed=3)
+    case.run()
+    m, out = case.meta, torch.full_like(case.query, 7.0)
+    args = (out, case.query, case.key_cache, case.value_cache, m.block_tables, m.query_start_loc, m.seq_lens,
+            m.context_lens, case.scale, 1)
+    for variant in ({"window": -1}, {"softcap": -1.0}, {"softcap": float("nan")}, {"softcap": float("inf")}):
+        assert kern.varlen(*args, **variant) < 0, variant
+        assert kern.decode(out[:1], case.query[:1], case.key_cache, case.value_cache, m.block_tables[:1],
+                           m.seq_lens[:1], case.scale, 1, **variant) < 0, variant
+    assert torch.equal(out, torch.full_like(out, 7.0)), "a refused call must write nothing"

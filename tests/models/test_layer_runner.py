@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES, make_tiny_model
 
+from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.llm import LLM
 from pagedrun.models import layer_runner, ops
 from pagedrun.worker.model_runner import ModelInput
@@ -90,3 +91,80 @@ def test_runner_reports_a_refused_call(tmp_path):
     inputs = [ModelInput([5, 6], 0, [999], sample=True)]  # a block far outside the 32-block cache
     with pytest.raises(RuntimeError, match=r"layer runner: layer 0, call \d+ refused"):
         eng.worker.runner.execute(inputs)
+
+
+# Sliding windows and KV cache groups (the hybrid KV manager): layer 0 full attention in group A,
+# layers 1 and 2 sliding (window 7; layer 2 also soft-capped) in group B, whose tables hold a
+# placeholder (block 0, NaN in those layers' caches) for every block wholly below the window of the
+# sequence's first query in the step. Block size 8; (token ids, start, own blocks) as STEPS.
+WINDOW, SMALL_BLOCK = 7, 8
+GROUP_STEPS = [
+    [(list(range(3, 8)), 0), (list(range(10, 27)), 0), (list(range(40, 73)), 0)],
+    [([9], 5), (list(range(30, 34)), 17), ([11], 33)],
+    [([12], 6), ([13], 21), ([14], 34)],
+]
+
+
+def _group_tables(base: int, starts: list[int], window: int) -> list[list[int]]:
+    """Five blocks per sequence from `base`; with a window, block 0 below each first query's window."""
+    tables = []
+    for i, start in enumerate(starts):
+        table = list(range(base + 5 * i, base + 5 * i + 5))
+        below = max(0, start - window + 1) // SMALL_BLOCK if window else 0
+        tables.append([0] * below + table[below:])
+    return tables
+
+
+def _set_variant(attn, window: int, softcap: float) -> None:
+    attn.window, attn.softcap = window, softcap
+    attn.variant = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_windows_and_groups_give_the_loops_hidden_states(tmp_path, dtype):
+    path = make_tiny_model("llama", tmp_path / "llama", seed=5)
+    eng = LLM(None, [f"model.path={path}", f"model.dtype={dtype}", "model.threads=2",
+                     f"cache.block_size={SMALL_BLOCK}", "cache.num_blocks=48"]).engine
+    model, kv_caches, backend = eng.worker.model, eng.worker.runner.kv_caches, eng.worker.backend
+    variants = [(0, 0.0), (WINDOW, 0.0), (WINDOW, 5.0)]
+    for layer, (window, softcap) in zip(model.model.layers, variants):
+        _set_variant(layer.self_attn, window, softcap)
+    for key_cache, value_cache in kv_caches[1:]:  # the sliding layers' placeholder block
+        key_cache[0], value_cache[0] = float("nan"), float("nan")
+    runner = model.layer_runner
+    runner._kv_key = None  # the layer table is rebuilt with the windows
+    counter = _Counting(runner.lib)
+    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
+    for n, step in enumerate(GROUP_STEPS, 1):
+        starts = [start for _, start in step]
+        inputs = [ModelInput(ids, start, table, sample=True)
+                  for (ids, start), table in zip(step, _group_tables(1, starts, 0))]
+        ids, positions, meta_a = eng.worker.runner.build_metadata(inputs)
+        meta_b = AttentionMetadata.build([len(ids) for ids, _ in step], starts, _group_tables(20, starts, WINDOW),
+                                         SMALL_BLOCK)
+        assert n == 1 or (meta_b.block_tables == 0).any()  # placeholders from the second step on
+        metas = [meta_a, meta_b, meta_b]
+        fast = model(ids, positions, kv_caches, metas, backend)
+        assert counter.calls == n and backend.last_path == "cpu_kernel"
+        model.layer_runner = None
+        try:
+            slow = model(ids, positions, kv_caches, metas, backend)
+        finally:
+            model.layer_runner = runner
+        assert torch.isfinite(fast).all()
+        assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
+    # The last step again (it rewrites its own slots only), through the torch reference: the same
+    # states within rounding; and without the windows, over the whole tables: other states.
+    auto, backend.use_cpu_kernel = backend.use_cpu_kernel, False
+    try:
+        ref = model(ids, positions, kv_caches, metas, backend)
+        assert backend.last_path == "torch"
+        torch.testing.assert_close(fast.float(), ref.float(), atol=1e-4 if dtype == "float32" else 0.1, rtol=0.02)
+        for layer in model.model.layers:
+            _set_variant(layer.self_attn, 0, 0.0)
+        meta_full = AttentionMetadata.build([len(ids) for ids, _ in step], starts, _group_tables(20, starts, 0),
+                                            SMALL_BLOCK)
+        full = model(ids, positions, kv_caches, [meta_a, meta_full, meta_full], backend)
+    finally:
+        backend.use_cpu_kernel = auto
+    assert torch.isfinite(full).all() and (full.float() - fast.float()).abs().max() > 1e-2
