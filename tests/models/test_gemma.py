@@ -11,33 +11,28 @@ one-line errors for bad ones.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 
 import pytest
+import test_models
 import torch
 import torch.nn.functional as F
 from test_models import hf_greedy, paged_greedy, random_prompts
 from tiny_models import WINDOW_FAMILIES
 
+from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
 from pagedrun.llm import LLM
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
-from pagedrun.models.llama import Linear, LlamaAttention
+from pagedrun.models.llama import Linear
 from pagedrun.models.loader import load_model
 from pagedrun.sampling_params import SamplingParams
 
 WINDOW = 8
 LENGTHS = [29, 5, 1, 43]  # up to five windows; the first is prefilled in two chunks
 MAX_NEW = 10
-# Mistral's and Qwen2's windows are applied by llama.py's attention, which passes them to the
-# backend from issue 37's win-cpu branch on; until then those families' parity is expected to fail.
-_LLAMA_WINDOWS = "window" in inspect.getsource(LlamaAttention.forward)
-FAMILIES = [f if f.startswith("gemma") else
-            pytest.param(f, marks=pytest.mark.xfail(not _LLAMA_WINDOWS, reason="llama.py applies no window yet"))
-            for f in WINDOW_FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +51,14 @@ def _hf(model_dir, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
 @pytest.mark.parametrize("block_size,model_ops", [(8, "cpu-kernels"), (16, "cpu-kernels"), (32, "cpu-kernels"),
                                                   (16, "torch")])
-def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, model_ops):
+def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, model_ops, monkeypatch):
+    """model_ops: the C++ model ops and attention kernel (the default on CPU), or torch for both."""
     model_dir = window_dirs[family]
+    if model_ops == "torch":
+        monkeypatch.setattr(test_models, "TorchAttentionBackend", lambda: TorchAttentionBackend(use_cpu_kernel=False))
     with contextlib.nullcontext() if model_ops == "cpu-kernels" else ops.torch_only():
         model, config = load_model(model_dir, torch.float32)
         assert any(config.layer_windows) and max(config.layer_windows) == WINDOW
@@ -76,7 +74,7 @@ def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_engine_greedy_matches_hf(window_dirs, family, block_size):
     """Through LLM.generate: the scheduler's batches, the worker's cache and the sampler."""
