@@ -291,3 +291,35 @@ def test_gate_up_gelu_is_the_gemm_then_the_activation(dtype):
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), F.gelu(gate, approximate="tanh") * up, atol=tol, rtol=10 * tol)
+
+
+# ---------------------------------------------------------------- the C++ layer runner
+
+
+@pytest.mark.skipif(ops.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_layer_runner_gives_the_loops_logits(tmp_path, family, dtype):
+    """Gemma's layers (sandwich norms, float32 norm weights, per-layer RoPE, GeGLU, windows,
+    soft-caps) and the sliding-window Llama family through the runner: the Python loop's logits bit
+    for bit on prefill, mixed and decode steps (tests/models/test_layer_runner.py's steps, whose
+    sequences run past the windows of 8)."""
+    from test_layer_runner import STEPS, _Counting, _engine
+
+    from pagedrun.worker.model_runner import ModelInput
+
+    eng = _engine(tmp_path, family, dtype)
+    runner = eng.worker.model.layer_runner
+    assert runner is not None
+    counter = _Counting(runner.lib)
+    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
+    for n, step in enumerate(STEPS, 1):
+        inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in step]
+        fast = eng.worker.runner.execute(inputs)
+        assert counter.calls == n and eng.worker.backend.last_path == "cpu_kernel"
+        eng.worker.model.layer_runner = None
+        try:
+            slow = eng.worker.runner.execute(inputs)
+        finally:
+            eng.worker.model.layer_runner = runner
+        assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
