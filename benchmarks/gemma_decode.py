@@ -56,11 +56,12 @@ def build(kind: str, root: Path, window: int) -> Path:
     return path
 
 
-def make_llm(model_dir: Path, dtype: str, threads: int, batch: int, runner: bool):
+def make_llm(model_dir: Path, dtype: str, threads: int, batch: int, runner: bool, tokens_per_seq: int):
     from pagedrun.llm import LLM
 
+    blocks = batch * -(-tokens_per_seq // 16) + 16
     llm = LLM(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"model.threads={threads}",
-                     "model.max_model_len=2048", "cache.block_size=16", f"cache.num_blocks={batch * 48 + 16}"])
+                     "model.max_model_len=4096", "cache.block_size=16", f"cache.num_blocks={blocks}"])
     if not runner:
         llm.engine.worker.model.layer_runner = None
     return llm
@@ -103,7 +104,8 @@ def main() -> None:
     for spec in args.models.split(","):  # "gemma3", or "gemma3:0" for another window
         kind, _, window = spec.partition(":")
         window = int(window) if window else args.window if kind == "gemma3" else 0
-        llms.append(make_llm(build(kind, root, window), args.dtype, args.threads, args.batch, not args.no_runner))
+        llms.append(make_llm(build(kind, root, window), args.dtype, args.threads, args.batch, not args.no_runner,
+                             args.prompt + args.tokens))
     print(json.dumps({"dtype": args.dtype, "threads": args.threads}), flush=True)
     for _ in range(args.repeat):
         for llm in llms:
