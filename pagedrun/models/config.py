@@ -222,6 +222,9 @@ class ModelConfig:
 
         query_pre_attn_scalar = attn_softcap = final_softcap = None
         if gemma:
+            if d.get("use_bidirectional_attention"):
+                raise err("use_bidirectional_attention", "bidirectional attention (an embedding model) is not "
+                                                         "supported: pagedrun generates with causal attention")
             query_pre_attn_scalar = positive("query_pre_attn_scalar", 256.0)
             final_softcap = positive("final_logit_softcapping", None)
             attn_softcap = positive("attn_logit_softcapping", None)

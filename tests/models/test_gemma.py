@@ -259,6 +259,7 @@ def test_gemma3_multimodal_reads_its_text_config(window_dirs):
         ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear"}, "sliding_attention": {}}},
          "rope_parameters.full_attention"),
         ("gemma3", {"layer_types": None, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma2", {"attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
         ("gemma2", {"final_logit_softcapping": 0}, "final_logit_softcapping"),
         ("gemma3_mm", {"text_config": None}, "text_config"),
