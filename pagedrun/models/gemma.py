@@ -178,7 +178,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             )
         self.rotary_emb = RotaryEmbedding(config).to(device)  # the full-attention layers'
         self.local_rotary_emb = self.rotary_emb
-        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
+        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own RoPE parameters
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
                                         rope_scaling=config.local_rope_scaling)
             self.local_rotary_emb = RotaryEmbedding(local).to(device)
