@@ -244,6 +244,33 @@ def test_gemma3_multimodal_reads_its_text_config(window_dirs):
     assert c.text_tensor_name("model.multi_modal_projector.mm_soft_emb_norm.weight") is None
 
 
+def test_sparse_configs_take_transformers_defaults():
+    """Google's gemma-3-4b-it config.json names six text fields; transformers fills in the rest (the
+    oracle here is its config object, built from the same dict)."""
+    import transformers
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "text_config": text, "vision_config": {"hidden_size": 1152}, "torch_dtype": "bfloat16"}
+    c = ModelConfig.from_hf_dict(cfg, "c", max_model_len=4096)
+    hf = transformers.Gemma3Config(**{k: v for k, v in cfg.items() if k != "architectures"}).text_config
+    for field in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                  "query_pre_attn_scalar", "rms_norm_eps"):
+        assert getattr(c, field) == getattr(hf, field), field
+    assert c.layer_types == tuple(hf.layer_types) and c.eos_token_id == [1, 106]
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else 0 for t in hf.layer_types)
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (c.rope_theta, c.rope_scaling) == (full["rope_theta"], {"rope_type": "linear", "factor": 8.0})
+    assert (c.local_rope_theta, c.local_rope_scaling) == (local["rope_theta"], None)
+    g2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 2304, "num_hidden_layers": 4}
+    hf2 = transformers.Gemma2Config(hidden_size=2304, num_hidden_layers=4)
+    c2 = ModelConfig.from_hf_dict(g2, "c", max_model_len=8192)
+    assert (c2.attn_logit_softcapping, c2.final_logit_softcapping) == (hf2.attn_logit_softcapping,
+                                                                       hf2.final_logit_softcapping)
+    assert (c2.vocab_size, c2.max_position_embeddings, c2.layer_windows) == (hf2.vocab_size, 8192, (4096, 0) * 2)
+
+
 @pytest.mark.parametrize(
     "family,change,field",
     [
@@ -263,7 +290,7 @@ def test_gemma3_multimodal_reads_its_text_config(window_dirs):
         ("gemma2", {"attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
         ("gemma2", {"final_logit_softcapping": 0}, "final_logit_softcapping"),
         ("gemma3_mm", {"text_config": None}, "text_config"),
-        ("gemma3_mm", {"text_config": {"hidden_size": 64}}, "text_config.num_attention_heads"),
+        ("gemma3_mm", {"text_config": {"num_attention_heads": None}}, "text_config.num_attention_heads"),
         ("qwen2_swa", {"layer_types": None, "max_window_layers": -1}, "max_window_layers"),
         ("mistral_swa", {"sliding_window": 2.5}, "sliding_window"),
     ],
