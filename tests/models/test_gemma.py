@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from test_models import hf_greedy, paged_greedy, random_prompts
 from tiny_models import WINDOW_FAMILIES
 
+from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
 from pagedrun.llm import LLM
@@ -323,32 +324,47 @@ def test_gate_up_gelu_is_the_gemm_then_the_activation(dtype):
 
 # ---------------------------------------------------------------- the C++ layer runner
 
+RUNNER_BLOCK = 16
+# Three sequences with three blocks each, past the windows of 8: a prefill step (varlen kernel), a
+# step mixing a prefill chunk with two decodes, a decode-only step (tests/models/test_layer_runner.py's).
+RUNNER_STEPS = [
+    [(list(range(3, 8)), 0, [0, 1, 2]), (list(range(10, 27)), 0, [3, 4, 5]), (list(range(40, 73)), 0, [6, 7, 8])],
+    [([9], 5, [0, 1, 2]), (list(range(30, 34)), 17, [3, 4, 5]), ([11], 33, [6, 7, 8])],
+    [([12], 6, [0, 1, 2]), ([13], 21, [3, 4, 5]), ([14], 34, [6, 7, 8])],
+]
+
 
 @pytest.mark.skipif(ops.load() is None, reason="no C++ compiler for the CPU kernels")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow)
                                     for f in WINDOW_FAMILIES])  # the inner loop keeps one family
-def test_layer_runner_gives_the_loops_logits(tmp_path, family, dtype):
+def test_layer_runner_gives_the_loops_hidden_states(window_dirs, family, dtype):
     """Gemma's layers (sandwich norms, float32 norm weights, per-layer RoPE, GeGLU, windows,
-    soft-caps) and the sliding-window Llama family through the runner: the Python loop's logits bit
-    for bit on prefill, mixed and decode steps (tests/models/test_layer_runner.py's steps, whose
-    sequences run past the windows of 8)."""
-    from test_layer_runner import STEPS, _Counting, _engine
+    soft-caps) and the sliding-window Llama family through the runner: the Python loop's hidden
+    states bit for bit on prefill, mixed and decode steps."""
+    from pagedrun.models import layer_runner
 
-    from pagedrun.worker.model_runner import ModelInput
-
-    eng = _engine(tmp_path, family, dtype)
-    runner = eng.worker.model.layer_runner
+    model, config = load_model(window_dirs[family], dtype)
+    runner = model.layer_runner
     assert runner is not None
-    counter = _Counting(runner.lib)
-    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
-    for n, step in enumerate(STEPS, 1):
-        inputs = [ModelInput(ids, start, table, sample=True) for ids, start, table in step]
-        fast = eng.worker.runner.execute(inputs)
-        assert counter.calls == n and eng.worker.backend.last_path == "cpu_kernel"
-        eng.worker.model.layer_runner = None
-        try:
-            slow = eng.worker.runner.execute(inputs)
+    calls = []
+    run = runner.lib.run
+    runner.lib = type("Lib", (), {"run": staticmethod(lambda *a: calls.append(1) or run(*a))})()
+    shape = (9, RUNNER_BLOCK, config.num_key_value_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                 for _ in range(config.num_hidden_layers)]
+    backend = TorchAttentionBackend()
+    for n, step in enumerate(RUNNER_STEPS, 1):
+        ids = torch.tensor([t for toks, _, _ in step for t in toks])
+        positions = torch.tensor([start + j for toks, start, _ in step for j in range(len(toks))])
+        meta = AttentionMetadata.build([len(toks) for toks, _, _ in step], [start for _, start, _ in step],
+                                       [table for _, _, table in step], RUNNER_BLOCK)
+        fast = model(ids, positions, kv_caches, meta, backend)
+        assert len(calls) == n and backend.last_path == "cpu_kernel"
+        model.layer_runner = None
+        try:  # the loop writes the same K/V into the same slots, then attends over them
+            slow = model(ids, positions, kv_caches, meta, backend)
         finally:
-            eng.worker.model.layer_runner = runner
+            model.layer_runner = runner
+        assert len(calls) == n and isinstance(runner, layer_runner.LayerRunner)
         assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
