@@ -1,4 +1,4 @@
-// The decoder-layer loop of pagedrun/models/llama.py, in one call per step.
+// The decoder-layer loop of pagedrun/models/llama.py and gemma.py, in one call per step.
 //
 // On 2 cores a decode step of the default model spent a noticeable share of its time in the Python
 // between its kernels (argument checks, ctypes conversions, tensor views, empty outputs, in every
@@ -13,16 +13,21 @@
 //
 //   x, residual = rms_norm(h, residual)          (layer 0: residual = h, x = rms_norm(h))
 //   qkv = x . Wqkv^T (+ b)                        [T, (heads + 2 kv_heads) * head_dim]
-//   q, k = head_rms_norm(q), head_rms_norm(k)     Qwen3 only, in place, in qkv
-//   rope(q), rope(k)                              in place, in qkv
+//   q, k = head_rms_norm(q), head_rms_norm(k)     Qwen3, Gemma 3 only, in place, in qkv
+//   rope(q), rope(k)                              in place, in qkv; the layer's tables (Gemma 3's
+//                                                 sliding layers have their own), else the model's
 //   cache[slot[t]] = k[t], v[t]                    the paged KV cache
 //   attn = paged attention(q, cache)              decode kernel, or varlen with prefill tokens; the
 //                                                 layer's window and softcap, its group's block tables
 //   h = attn . Wo^T (+ b)
+//   h = rms_norm(h)                               Gemma only (post_attention_layernorm), in place
 //   x, residual = rms_norm(h, residual)
-//   mid = silu(x . Wgate^T) * (x . Wup^T)          one fused GEMM
+//   mid = act(x . Wgate^T) * (x . Wup^T)          one call: SiLU (Llama) or GELU-tanh (Gemma)
 //   h = mid . Wdown^T (+ b)
+//   h = rms_norm(h)                               Gemma only (post_feedforward_layernorm), in place
 //
+// Gemma's norms are model_ops' kernels with a float32 weight holding 1 + w (the w32 variants in
+// bf16), as the Python loop calls them; the runner's rms_norm and head_norm pointers are those.
 // The caller adds the last h to residual in its final norm, as the Python loop's caller does.
 //
 // Block tables and slot mapping: the step's, for every layer; or, with the hybrid KV manager (layers
@@ -90,6 +95,12 @@ struct PrLayer {
   const void* k_norm;
   int32_t window;  // the layer's sliding window (0: full attention)
   float softcap;   // its logit soft-cap (0: none)
+  // Gemma's sandwich norms on the attention's and the MLP's outputs (null in the Llama family),
+  // and the layer's RoPE tables (null: the model's).
+  const void* attn_out_norm;
+  const void* mlp_out_norm;
+  const float* cos;
+  const float* sin;
 };
 
 // One KV cache group's block tables [num_seqs, table_stride] and slot mapping [num_tokens].
@@ -113,7 +124,7 @@ struct PrBuffers {
   void *residual, *h, *x, *qkv, *attn, *mid;  // residual holds the embeddings on entry
 };
 
-// 0, or where a kernel refused its arguments: 16 * layer + stage (stage 1-12: the calls below in
+// 0, or where a kernel refused its arguments: 16 * layer + stage (stage 1-14: the calls below in
 // order), with the kernel's status in *status; the layers after it are not run. The caller checks
 // what the kernels would refuse first, so a refusal here is a bug, reported, never retried.
 #define PR_CALL(call)                                  \
@@ -148,8 +159,10 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
       PR_CALL(k->head_norm(q, L.q_norm, q, T, m->num_heads, hd, qkv_n, qkv_n, m->eps, threads));
       PR_CALL(k->head_norm(key, L.k_norm, key, T, m->num_kv_heads, hd, qkv_n, qkv_n, m->eps, threads));
     }
-    PR_CALL(k->rope(q, s->positions, m->cos, m->sin, T, m->num_heads, hd, qkv_n, m->max_pos, threads));
-    PR_CALL(k->rope(key, s->positions, m->cos, m->sin, T, m->num_kv_heads, hd, qkv_n, m->max_pos, threads));
+    const float* cos = L.cos ? L.cos : m->cos;
+    const float* sin = L.sin ? L.sin : m->sin;
+    PR_CALL(k->rope(q, s->positions, cos, sin, T, m->num_heads, hd, qkv_n, m->max_pos, threads));
+    PR_CALL(k->rope(key, s->positions, cos, sin, T, m->num_kv_heads, hd, qkv_n, m->max_pos, threads));
     PR_CALL(k->reshape_and_cache(key, value, L.key_cache, L.value_cache, g.slot_mapping, T, kv_size, qkv_n, qkv_n,
                                  m->num_blocks * m->block_size, m->elem_size));
     if (s->decode_only)
@@ -162,9 +175,11 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
                         m->num_blocks, g.table_stride, qkv_n, q_size, m->scale, L.window, L.softcap, m->dtype_code,
                         threads, 0, nullptr, nullptr));
     PR_CALL(k->linear(b->attn, L.o_w, L.o_b, b->h, T, H, q_size, q_size, H, threads));
+    if (L.attn_out_norm) PR_CALL(k->rms_norm(b->h, nullptr, L.attn_out_norm, b->h, T, H, H, 0, H, m->eps, threads));
     PR_CALL(k->rms_norm(b->h, b->residual, L.post_norm, b->x, T, H, H, H, H, m->eps, threads));
     PR_CALL(k->linear_silu(b->x, L.gate_up_w, L.gate_up_b, b->mid, T, I, H, H, I, threads));
     PR_CALL(k->linear(b->mid, L.down_w, L.down_b, b->h, T, H, I, I, H, threads));
+    if (L.mlp_out_norm) PR_CALL(k->rms_norm(b->h, nullptr, L.mlp_out_norm, b->h, T, H, H, 0, H, m->eps, threads));
   }
   *status = 0;
   return 0;

@@ -133,6 +133,26 @@ inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const ui
   return linear_packed_bf16_vector(x, packed, bias, out, M, 2 * I, K, ldx, ldo, num_threads, true);
 }
 
+// Gemma's gate/up projection and GeGLU in one call, linear_packed_silu's arguments and packing:
+// out [M, I] = gelu_tanh(gate) * up. The GEMM writes [M, 2I] (gate and up interleaved a panel at a
+// time) into a scratch of the calling thread's, and act_and_mul reads it in that layout: the bits of
+// the two calls pagedrun.models.ops makes without this one, and one entry for the layer runner.
+template <typename T, typename W>
+int linear_packed_gelu(const T* x, const W* packed, const T* bias, T* out, int64_t M, int64_t I, int64_t K,
+                       int64_t ldx, int64_t ldo, int num_threads) {
+  if (M < 0 || I <= 0 || I % kPanel || K <= 0 || ldx < K || ldo < I) return -1;
+  if (M == 0) return 0;
+  static thread_local std::vector<T> gate_up;
+  gate_up.resize(size_t(M * 2 * I));
+  int rc;
+  if constexpr (std::is_same<T, float>::value)
+    rc = linear_packed_f32(x, packed, bias, gate_up.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+  else
+    rc = linear_packed_bf16(x, packed, bias, gate_up.data(), M, 2 * I, K, ldx, 2 * I, num_threads);
+  if (rc) return rc;
+  return act_and_mul<T, Act::kGeluTanh>(gate_up.data(), out, M, I, 2 * I, ldo, kPanel, num_threads);
+}
+
 #define PR_ELEMENTWISE(SUFFIX, T, W)                                                                            \
   PR_EXPORT int rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t M, int64_t H,       \
                                   int64_t ldx, int64_t ldr, int64_t ldo, float eps, int num_threads) {          \
@@ -155,6 +175,10 @@ inline int linear_packed_silu(const uint16_t* x, const int32_t* packed, const ui
   PR_EXPORT int gelu_tanh_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg,         \
                                            int64_t ldo, int64_t block, int num_threads) {                       \
     return act_and_mul<T, Act::kGeluTanh>(gate_up, out, M, I, ldg, ldo, block, num_threads);                   \
+  }                                                                                                             \
+  PR_EXPORT int linear_packed_gelu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,      \
+                                            int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \
+    return linear_packed_gelu<T, W>(x, packed, bias, out, M, I, K, ldx, ldo, num_threads);                      \
   }                                                                                                             \
   PR_EXPORT int linear_packed_silu_##SUFFIX(const T* x, const W* packed, const T* bias, T* out, int64_t M,      \
                                             int64_t I, int64_t K, int64_t ldx, int64_t ldo, int num_threads) {  \

@@ -24,6 +24,17 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",  # its text model only: the vision tower's weights are skipped
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' Gemma2Config and Gemma3TextConfig defaults, for the fields pagedrun reads: Google's
+# configs leave some out (gemma-3-4b-it's text_config has six fields), and transformers fills them
+# in. A key present in config.json, null included, wins, as it does in transformers.
+_GEMMA_DEFAULTS = {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
+_GEMMA3_DEFAULTS = {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # No size of a real model comes near this; a larger one is a broken config, refused before any
@@ -152,6 +163,10 @@ class ModelConfig:
                 raise err("text_config", f"expected an object, got {echo(d.get('text_config'))}")
             d, prefix = d["text_config"], "text_config."
         gemma = arch in GEMMA_ARCHITECTURES
+        if gemma:
+            d = {**(_GEMMA_DEFAULTS if arch == "Gemma2ForCausalLM" else _GEMMA3_DEFAULTS), **d}
+            if arch == "Gemma3ForConditionalGeneration" and "eos_token_id" in top:  # its own ids first
+                d["eos_token_id"] = top["eos_token_id"]
 
         hidden = req("hidden_size")
         heads = req("num_attention_heads")
@@ -187,8 +202,7 @@ class ModelConfig:
         else:
             mlp_bias = False
 
-        # transformers' Gemma configs default to a window of 4096 when config.json has none.
-        sliding_window = d.get("sliding_window", 4096 if gemma else None)
+        sliding_window = d.get("sliding_window")
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window <= 0):
             raise err("sliding_window", f"expected a positive integer or null, got {echo(sliding_window)}")
@@ -207,7 +221,7 @@ class ModelConfig:
         if not any(layer_windows):
             layer_windows = ()
 
-        eos = d.get("eos_token_id", top.get("eos_token_id"))
+        eos = d.get("eos_token_id")
         if eos is None:
             eos_list: list[int] = []
         elif isinstance(eos, int):
@@ -222,6 +236,9 @@ class ModelConfig:
 
         query_pre_attn_scalar = attn_softcap = final_softcap = None
         if gemma:
+            if d.get("use_bidirectional_attention"):
+                raise err("use_bidirectional_attention", "bidirectional attention (an embedding model) is not "
+                                                         "supported: pagedrun generates with causal attention")
             query_pre_attn_scalar = positive("query_pre_attn_scalar", 256.0)
             final_softcap = positive("final_logit_softcapping", None)
             attn_softcap = positive("attn_logit_softcapping", None)

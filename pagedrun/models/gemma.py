@@ -21,6 +21,10 @@ post_feedforward_layernorm's in the next layer's input_layernorm.
 (1 + w) is folded into the norm weights at load time and kept in float32: for a float32 model the
 norm is then llama.py's, bit for bit; for bf16 activations ops.rms_norm takes a float32 weight as
 Gemma's norm (the product in float32, rounded once), which is what HF computes.
+
+On the CPU the layers run in one C call per step where every op has its kernel (layer_runner.py:
+the two extra norms, each layer's RoPE tables, GeGLU's kernel, each layer's window and soft-cap),
+bit for bit this file's loop.
 """
 from __future__ import annotations
 
@@ -174,7 +178,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             )
         self.rotary_emb = RotaryEmbedding(config).to(device)  # the full-attention layers'
         self.local_rotary_emb = self.rotary_emb
-        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own base, unscaled
+        if config.local_rope_theta is not None:  # Gemma 3's sliding layers: their own RoPE parameters
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
                                         rope_scaling=config.local_rope_scaling)
             self.local_rotary_emb = RotaryEmbedding(local).to(device)
@@ -182,7 +186,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # not 25.298, for hidden 640).
         self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device),
                              persistent=False)
-        self.layer_runner = None
+        self.layer_runner = None  # set once the weights are packed (LlamaForCausalLM's processing)
 
     @torch.no_grad()
     def forward(
@@ -196,12 +200,20 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
         h, residual = self.model.embed_tokens(input_ids) * self.normalizer, None
         metas = per_layer(meta, len(self.model.layers))
-        self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
-        self.local_rotary_emb.step_rows.clear()
-        for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
-            rotary = self.local_rotary_emb if layer.self_attn.local_rope else self.rotary_emb
-            h, residual = layer(positions, h, residual, rotary, kv_cache, layer_meta, backend)
+        # The same layers in one C call where every op would run its CPU kernel (layer_runner.py).
+        done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, metas, backend)
+        if done:
+            h, residual = done
+        else:
+            self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
+            self.local_rotary_emb.step_rows.clear()
+            for i, (layer, kv_cache, layer_meta) in enumerate(zip(self.model.layers, kv_caches, metas, strict=True)):
+                h, residual = layer(positions, h, residual, self.rotary_of(i), kv_cache, layer_meta, backend)
         return self.model.norm(h, residual)[0]
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        """The RoPE of a layer: Gemma 3's sliding layers have their own (the layer runner asks too)."""
+        return self.local_rotary_emb if self.model.layers[layer].self_attn.local_rope else self.rotary_emb
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,10 +224,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def process_weights_after_loading(self) -> None:
-        super().process_weights_after_loading()
-        self.layer_runner = None  # the C++ layer loop runs Llama's block, not Gemma's
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """LlamaForCausalLM's, with every norm weight w stored as 1 + w in float32, w first rounded

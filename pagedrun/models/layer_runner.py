@@ -10,9 +10,11 @@ loop's bit for bit; it has no arithmetic of its own.
 It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in
 float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend whose C++ kernel
 reads the cache unquantized, and no forward hook on a decoder layer (the layers are not called one
-by one here); Qwen3's per-head q/k norms are the kernel the loop calls too (ops.rms_norm on a
-[T, heads, hd] view). Everything else, and PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which
-stays the reference (tests/models/test_layer_runner.py compares the two).
+by one here); Qwen3's and Gemma 3's per-head q/k norms are the kernel the loop calls too
+(ops.rms_norm on a [T, heads, hd] view). Gemma's layers (models/gemma.py) run the same loop with
+their two extra norms, their own RoPE tables per layer and GeGLU's kernel. Everything else, and
+PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which stays the reference
+(tests/models/test_layer_runner.py compares the two).
 
 Each layer's attention variant (sliding window, logit soft-cap) is read once from its attention
 module's `window` / `softcap` attributes (absent: 0, off). With one AttentionMetadata per layer (the
@@ -56,6 +58,7 @@ class _Layer(ctypes.Structure):
                                           "gate_up_b", "down_w", "down_b", "key_cache", "value_cache", "q_norm",
                                           "k_norm")]
     _fields_ += [("window", _i32), ("softcap", _f32)]
+    _fields_ += [(name, _ptr) for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin")]
 
 
 class _Tables(ctypes.Structure):
@@ -137,16 +140,33 @@ class LayerRunner:
         lib = self.ops_lib.lib
         linear = lib.linear_packed_bf16 if self.dtype == torch.bfloat16 else lib.linear_packed_f32
         attention = kern.functions()
+        # The ops the Python loop's calls reach: Gemma's norms hold float32 weights (1 + w), which
+        # ops.rms_norm takes to its *_w32 kernels on bf16 rows; Gemma's MLP is GeGLU.
+        layer0 = self.model.model.layers[0]
+        norm = "rms_norm_w32" if layer0.input_layernorm.weight.dtype != self.dtype else "rms_norm"
+        gated = "linear_packed_gelu" if self.model.config.hidden_act == "gelu_pytorch_tanh" else "linear_packed_silu"
         self._kernels = _Kernels(
-            _address(self.ops_lib.op("rms_norm", self.dtype)), _address(linear),
-            _address(self.ops_lib.op("linear_packed_silu", self.dtype)), _address(self.ops_lib.op("rope", self.dtype)),
+            _address(self.ops_lib.op(norm, self.dtype)), _address(linear),
+            _address(self.ops_lib.op(gated, self.dtype)), _address(self.ops_lib.op("rope", self.dtype)),
             _address(attention["reshape_and_cache"]), _address(attention["decode"]), _address(attention["varlen"]),
-            _address(self.ops_lib.op("head_rms_norm", self.dtype)))
+            _address(self.ops_lib.op("head_" + norm, self.dtype)))
+        rotary_of = getattr(self.model, "rotary_of", None)  # Gemma: each layer's RoPE tables
         layers = (_Layer * len(kv_caches))()
-        for row, layer, (key_cache, value_cache) in zip(layers, self.model.model.layers, kv_caches, strict=True):
+        for i, (row, layer, (key_cache, value_cache)) in enumerate(
+                zip(layers, self.model.model.layers, kv_caches, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            row.input_norm, row.post_norm = _ptr_of(layer.input_layernorm.weight), _ptr_of(
-                layer.post_attention_layernorm.weight)
+            # Gemma's sandwich: the norm that adds the residual before the MLP is its
+            # pre_feedforward_layernorm; post_attention_layernorm and post_feedforward_layernorm
+            # norm the attention's and the MLP's outputs in place.
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            row.input_norm, row.post_norm = _ptr_of(layer.input_layernorm.weight), _ptr_of(pre_mlp.weight)
+            if sandwich:
+                row.attn_out_norm = _ptr_of(layer.post_attention_layernorm.weight)
+                row.mlp_out_norm = _ptr_of(layer.post_feedforward_layernorm.weight)
+            if rotary_of is not None:
+                rotary = rotary_of(i)
+                row.cos, row.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
             row.qkv_w, row.qkv_b = _ptr_of(attn.qkv_proj.weight), _ptr_of(attn.qkv_proj.bias)
             row.o_w, row.o_b = _ptr_of(attn.o_proj.weight), _ptr_of(attn.o_proj.bias)
             row.gate_up_w, row.gate_up_b = _ptr_of(mlp.gate_up_proj.weight), _ptr_of(mlp.gate_up_proj.bias)

@@ -61,7 +61,8 @@ class CpuModelOps:
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
                                    ("silu_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
                                    ("gelu_tanh_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
-                                   ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int])):
+                                   ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int]),
+                                   ("linear_packed_gelu", [_ptr] * 4 + [_i64] * 5 + [_int])):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = _int, argtypes
                 self._ops[name, dtype] = fn
@@ -389,7 +390,14 @@ def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 def gate_up_gelu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                  intermediate: int) -> torch.Tensor:
     """gelu_tanh(gate) * up [M, I] (Gemma's GeGLU) with [gate | up] = x @ weight^T (+ bias), the
-    weight and bias packed by pack_gate_up: the packed GEMM writes gate and up interleaved a panel at
-    a time and gelu_tanh_and_mul reads them in that layout (two calls, no copy between)."""
-    panel = packed.shape[2]
-    return gelu_tanh_and_mul(linear_packed(x, packed, bias, 2 * intermediate), block=panel)
+    weight and bias packed by pack_gate_up: one kernel call (linear_packed_gelu: the packed GEMM,
+    then gelu_tanh_and_mul on its interleaved panels). Torch on the unpacked weight otherwise."""
+    kern, x = _packed_operands(x, packed, bias)
+    if kern is not None:
+        m = x.shape[0]
+        out = torch.empty(m, intermediate, dtype=x.dtype)
+        if m == 0 or kern.op("linear_packed_gelu", x.dtype)(
+                x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
+                intermediate, x.shape[1], x.stride(0), intermediate, torch.get_num_threads()) == 0:
+            return out
+    return gelu_tanh_and_mul(linear_packed(x, packed, bias, 2 * intermediate), block=packed.shape[2])

@@ -11,33 +11,29 @@ one-line errors for bad ones.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 
 import pytest
+import test_models
 import torch
 import torch.nn.functional as F
 from test_models import hf_greedy, paged_greedy, random_prompts
 from tiny_models import WINDOW_FAMILIES
 
+from pagedrun.attention.metadata import AttentionMetadata
+from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
 from pagedrun.llm import LLM
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
-from pagedrun.models.llama import Linear, LlamaAttention
+from pagedrun.models.llama import Linear
 from pagedrun.models.loader import load_model
 from pagedrun.sampling_params import SamplingParams
 
 WINDOW = 8
 LENGTHS = [29, 5, 1, 43]  # up to five windows; the first is prefilled in two chunks
 MAX_NEW = 10
-# Mistral's and Qwen2's windows are applied by llama.py's attention, which passes them to the
-# backend from issue 37's win-cpu branch on; until then those families' parity is expected to fail.
-_LLAMA_WINDOWS = "window" in inspect.getsource(LlamaAttention.forward)
-FAMILIES = [f if f.startswith("gemma") else
-            pytest.param(f, marks=pytest.mark.xfail(not _LLAMA_WINDOWS, reason="llama.py applies no window yet"))
-            for f in WINDOW_FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +52,14 @@ def _hf(model_dir, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
 @pytest.mark.parametrize("block_size,model_ops", [(8, "cpu-kernels"), (16, "cpu-kernels"), (32, "cpu-kernels"),
                                                   (16, "torch")])
-def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, model_ops):
+def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, model_ops, monkeypatch):
+    """model_ops: the C++ model ops and attention kernel (the default on CPU), or torch for both."""
     model_dir = window_dirs[family]
+    if model_ops == "torch":
+        monkeypatch.setattr(test_models, "TorchAttentionBackend", lambda: TorchAttentionBackend(use_cpu_kernel=False))
     with contextlib.nullcontext() if model_ops == "cpu-kernels" else ops.torch_only():
         model, config = load_model(model_dir, torch.float32)
         assert any(config.layer_windows) and max(config.layer_windows) == WINDOW
@@ -76,7 +75,7 @@ def test_greedy_matches_hf_past_the_window(window_dirs, family, block_size, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_engine_greedy_matches_hf(window_dirs, family, block_size):
     """Through LLM.generate: the scheduler's batches, the worker's cache and the sampler."""
@@ -246,6 +245,33 @@ def test_gemma3_multimodal_reads_its_text_config(window_dirs):
     assert c.text_tensor_name("model.multi_modal_projector.mm_soft_emb_norm.weight") is None
 
 
+def test_sparse_configs_take_transformers_defaults():
+    """Google's gemma-3-4b-it config.json names six text fields; transformers fills in the rest (the
+    oracle here is its config object, built from the same dict)."""
+    import transformers
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "text_config": text, "vision_config": {"hidden_size": 1152}, "torch_dtype": "bfloat16"}
+    c = ModelConfig.from_hf_dict(cfg, "c", max_model_len=4096)
+    hf = transformers.Gemma3Config(**{k: v for k, v in cfg.items() if k != "architectures"}).text_config
+    for field in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                  "query_pre_attn_scalar", "rms_norm_eps"):
+        assert getattr(c, field) == getattr(hf, field), field
+    assert c.layer_types == tuple(hf.layer_types) and c.eos_token_id == [1, 106]
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else 0 for t in hf.layer_types)
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (c.rope_theta, c.rope_scaling) == (full["rope_theta"], {"rope_type": "linear", "factor": 8.0})
+    assert (c.local_rope_theta, c.local_rope_scaling) == (local["rope_theta"], None)
+    g2 = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 2304, "num_hidden_layers": 4}
+    hf2 = transformers.Gemma2Config(hidden_size=2304, num_hidden_layers=4)
+    c2 = ModelConfig.from_hf_dict(g2, "c", max_model_len=8192)
+    assert (c2.attn_logit_softcapping, c2.final_logit_softcapping) == (hf2.attn_logit_softcapping,
+                                                                       hf2.final_logit_softcapping)
+    assert (c2.vocab_size, c2.max_position_embeddings, c2.layer_windows) == (hf2.vocab_size, 8192, (4096, 0) * 2)
+
+
 @pytest.mark.parametrize(
     "family,change,field",
     [
@@ -261,10 +287,11 @@ def test_gemma3_multimodal_reads_its_text_config(window_dirs):
         ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear"}, "sliding_attention": {}}},
          "rope_parameters.full_attention"),
         ("gemma3", {"layer_types": None, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma2", {"attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
         ("gemma2", {"final_logit_softcapping": 0}, "final_logit_softcapping"),
         ("gemma3_mm", {"text_config": None}, "text_config"),
-        ("gemma3_mm", {"text_config": {"hidden_size": 64}}, "text_config.num_attention_heads"),
+        ("gemma3_mm", {"text_config": {"num_attention_heads": None}}, "text_config.num_attention_heads"),
         ("qwen2_swa", {"layer_types": None, "max_window_layers": -1}, "max_window_layers"),
         ("mistral_swa", {"sliding_window": 2.5}, "sliding_window"),
     ],
@@ -276,3 +303,68 @@ def test_config_errors(window_dirs, family, change, field):
         ModelConfig.from_hf_dict(cfg, "m/config.json")
     assert str(e.value).startswith(f"m/config.json: {field}:"), str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(ops.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_gelu_is_the_gemm_then_the_activation(dtype):
+    """linear_packed_gelu (one call, the layer runner's) gives the bits of the packed GEMM followed
+    by gelu_tanh_and_mul on its interleaved output, and HF's expression within rounding."""
+    torch.manual_seed(3)
+    i = 4 * ops.load().panel
+    x, weight = torch.randn(5, 64).to(dtype), (0.1 * torch.randn(2 * i, 64)).to(dtype)
+    packed, _ = ops.pack_gate_up(weight, None)
+    got = ops.gate_up_gelu(x, packed, None, i)
+    two_calls = ops.gelu_tanh_and_mul(ops.linear_packed(x, packed, None, 2 * i), block=packed.shape[2])
+    assert torch.equal(got, two_calls)
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), F.gelu(gate, approximate="tanh") * up, atol=tol, rtol=10 * tol)
+
+
+# ---------------------------------------------------------------- the C++ layer runner
+
+RUNNER_BLOCK = 16
+# Three sequences with three blocks each, past the windows of 8: a prefill step (varlen kernel), a
+# step mixing a prefill chunk with two decodes, a decode-only step (tests/models/test_layer_runner.py's).
+RUNNER_STEPS = [
+    [(list(range(3, 8)), 0, [0, 1, 2]), (list(range(10, 27)), 0, [3, 4, 5]), (list(range(40, 73)), 0, [6, 7, 8])],
+    [([9], 5, [0, 1, 2]), (list(range(30, 34)), 17, [3, 4, 5]), ([11], 33, [6, 7, 8])],
+    [([12], 6, [0, 1, 2]), ([13], 21, [3, 4, 5]), ([14], 34, [6, 7, 8])],
+]
+
+
+@pytest.mark.skipif(ops.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in WINDOW_FAMILIES])  # the inner loop keeps one family
+def test_layer_runner_gives_the_loops_hidden_states(window_dirs, family, dtype):
+    """Gemma's layers (sandwich norms, float32 norm weights, per-layer RoPE, GeGLU, windows,
+    soft-caps) and the sliding-window Llama family through the runner: the Python loop's hidden
+    states bit for bit on prefill, mixed and decode steps."""
+    from pagedrun.models import layer_runner
+
+    model, config = load_model(window_dirs[family], dtype)
+    runner = model.layer_runner
+    assert runner is not None
+    calls = []
+    run = runner.lib.run
+    runner.lib = type("Lib", (), {"run": staticmethod(lambda *a: calls.append(1) or run(*a))})()
+    shape = (9, RUNNER_BLOCK, config.num_key_value_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                 for _ in range(config.num_hidden_layers)]
+    backend = TorchAttentionBackend()
+    for n, step in enumerate(RUNNER_STEPS, 1):
+        ids = torch.tensor([t for toks, _, _ in step for t in toks])
+        positions = torch.tensor([start + j for toks, start, _ in step for j in range(len(toks))])
+        meta = AttentionMetadata.build([len(toks) for toks, _, _ in step], [start for _, start, _ in step],
+                                       [table for _, _, table in step], RUNNER_BLOCK)
+        fast = model(ids, positions, kv_caches, meta, backend)
+        assert len(calls) == n and backend.last_path == "cpu_kernel"
+        model.layer_runner = None
+        try:  # the loop writes the same K/V into the same slots, then attends over them
+            slow = model(ids, positions, kv_caches, meta, backend)
+        finally:
+            model.layer_runner = runner
+        assert len(calls) == n and isinstance(runner, layer_runner.LayerRunner)
+        assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
