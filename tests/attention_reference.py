@@ -1,13 +1,15 @@
 """The float64 attention oracle the CPU backends are checked against (tests/attention/test_torch_backend.py,
-tests/attention/test_cpu_attention.py)."""
+tests/attention/test_cpu_attention.py, tests/attention/test_sliding_window.py)."""
 from __future__ import annotations
 
 import torch
 
 
-def reference_attention(queries, keys, values, context_lens, scale) -> list[torch.Tensor]:
+def reference_attention(queries, keys, values, context_lens, scale, window=0, softcap=0.0) -> list[torch.Tensor]:
     """Causal attention in float64, per sequence: queries [qlen, heads, hd], keys/values the whole
-    sequence [seq_len, kv_heads, hd]; query j of a sequence sees keys 0..context_len + j."""
+    sequence [seq_len, kv_heads, hd]; query j of a sequence (position p = context_len + j) sees keys
+    0..p, or with window > 0 the keys p - window < i <= p; softcap > 0 caps the scores at
+    softcap * tanh(score / softcap)."""
     outs = []
     for q, k, v, ctx in zip(queries, keys, values, context_lens):
         q, k, v = q.double(), k.double(), v.double()
@@ -16,18 +18,21 @@ def reference_attention(queries, keys, values, context_lens, scale) -> list[torc
         out = torch.empty(qlen, heads, hd, dtype=torch.float64)
         for j in range(qlen):
             visible = ctx + j + 1
-            kk = k[:visible].repeat_interleave(group, dim=1)  # [visible, heads, hd]
-            vv = v[:visible].repeat_interleave(group, dim=1)
+            first = max(0, visible - window) if window > 0 else 0
+            kk = k[first:visible].repeat_interleave(group, dim=1)  # [visible - first, heads, hd]
+            vv = v[first:visible].repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,khd->hk", q[j], kk) * scale
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
             out[j] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), vv)
         outs.append(out)
     return outs
 
 
-def assert_matches_reference(out, queries, keys, values, context_lens, scale, atol) -> None:
+def assert_matches_reference(out, queries, keys, values, context_lens, scale, atol, window=0, softcap=0.0) -> None:
     """out holds the sequences' query rows one after another; each within atol of the oracle."""
     start = 0
-    for i, r in enumerate(reference_attention(queries, keys, values, context_lens, scale)):
+    for i, r in enumerate(reference_attention(queries, keys, values, context_lens, scale, window, softcap)):
         got = out[start : start + r.shape[0]].double()
         assert torch.isfinite(got).all(), f"seq {i}: non-finite output"
         err = (got - r).abs().max().item()

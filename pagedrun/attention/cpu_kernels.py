@@ -94,9 +94,12 @@ class CpuAttentionKernels:
         )
 
     def varlen(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-               context_lens, scale: float, num_threads: int, kv: KVReader | None = None) -> int:
+               context_lens, scale: float, num_threads: int, kv: KVReader | None = None, *, window: int = 0,
+               softcap: float = 0.0) -> int:
         """All int tensors int32 and contiguous; query/out [tokens, heads, hd] with contiguous rows;
         key/value caches contiguous, every tensor of the same dtype."""
+        if window or softcap:
+            return -10  # the C kernels do not take them yet
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         return self._lib.paged_attention_varlen(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -107,7 +110,9 @@ class CpuAttentionKernels:
         )
 
     def decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-               num_threads: int, kv: KVReader | None = None) -> int:
+               num_threads: int, kv: KVReader | None = None, *, window: int = 0, softcap: float = 0.0) -> int:
+        if window or softcap:
+            return -10  # the C kernels do not take them yet
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         return self._lib.paged_attention_decode(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),

@@ -5,9 +5,14 @@ not: they re-read the prefix once per query token with scalar FMAs (docs/design/
 So every backend sends prefill here and keeps its paged kernels (or gather + SDPA) for decode.
 
 A sequence with nothing cached before this step attends over this step's own K/V (causal); one with
-a cached prefix (prefix-cache hit, chunked prefill, recompute) gathers its first seq_len cached
-tokens through its block table, which this step's reshape_and_cache has already filled, and shifts
-the causal mask by the prefix length.
+a cached prefix (prefix-cache hit, chunked prefill, recompute) gathers its cached tokens through its
+block table, which this step's reshape_and_cache has already filled, and shifts the causal mask by
+the prefix length.
+
+Sliding window (window > 0, pagedrun/attention/backend.py): query j sees only the `window` keys up to
+its own position. The gather starts at the first key the step's first query sees, so the blocks wholly
+below it (placeholders with the hybrid KV manager: anything, NaN included) are never read. Soft-capped
+logits (softcap > 0) have no SDPA kernel: `attention` then computes the scores explicitly.
 """
 from __future__ import annotations
 
@@ -36,37 +41,74 @@ def prefill_seqs(query_lens: list[int], seq_lens: list[int]) -> list[PrefillSeq]
     return out
 
 
-def gather_one(key_cache, value_cache, block_table, seq_len: int, block_size: int):
-    """One sequence's first seq_len cached K/V, [seq_len, kv_heads, hd] each."""
-    ids = block_table[: -(-seq_len // block_size)].long()
+def first_key(position: int, window: int) -> int:
+    """The first key position a query at `position` sees (0 without a window)."""
+    return max(0, position - window + 1) if window > 0 else 0
+
+
+def gather_one(key_cache, value_cache, block_table, seq_len: int, block_size: int, start: int = 0):
+    """One sequence's cached K/V at positions start..seq_len-1, [seq_len - start, kv_heads, hd] each;
+    the table's entries for blocks below `start` are not read."""
+    first = start // block_size
+    ids = block_table[first : -(-seq_len // block_size)].long()
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    lo, hi = start - first * block_size, seq_len - first * block_size
+    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[lo:hi]
     return k, v
 
 
-def prefill_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
-    """q [n, heads, hd] at positions context_len.., k/v [context_len+n, kv_heads, hd]."""
-    n, seq_len = q.shape[0], k.shape[0]
+def attention(qh, kh, vh, mask, scale: float, softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., heads, n, hd] queries and [..., kv_heads, L, hd] keys/values (GQA: heads a
+    multiple of kv_heads); mask: bool, broadcastable to [..., heads, n, L], True = attend. With
+    softcap > 0 the scores are computed explicitly (float32), capped, masked and softmaxed."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=qh.shape[-3] != kh.shape[-3])
+    heads, kv_heads, n, hd = qh.shape[-3], kh.shape[-3], qh.shape[-2], qh.shape[-1]
+    group = heads // kv_heads
+    # Each kv head's group of query heads as one matrix: no repeated K/V.
+    q = qh.float().reshape(*qh.shape[:-3], kv_heads, group * n, hd)
+    scores = (q @ kh.float().transpose(-1, -2)) * scale  # [..., kv_heads, group * n, L]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(*qh.shape[:-3], heads, n, -1)
+    if is_causal:
+        mask = torch.ones(n, scores.shape[-1], dtype=torch.bool, device=qh.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(*qh.shape[:-3], kv_heads, group * n, -1)
+    out = probs @ vh.float()
+    return out.view(qh.shape).to(qh.dtype)
+
+
+def prefill_attention(q, k, v, context_len: int, scale: float, *, key_start: int = 0, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
+    """q [n, heads, hd] at positions context_len.., k/v [context_len + n - key_start, kv_heads, hd]:
+    the keys at positions key_start..context_len + n - 1."""
+    n, num_keys = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
-    if context_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query j sits at absolute position context_len + j and sees keys 0..context_len + j.
-        # (is_causal aligns the mask top-left, which is only right without a prefix.)
-        q_pos = torch.arange(context_len, context_len + n, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    if context_len == 0 and key_start == 0 and window <= 0:
+        return attention(qh, kh, vh, None, scale, softcap, is_causal=True).transpose(0, 1)
+    # Query j sits at absolute position context_len + j and sees keys key_start..context_len + j
+    # (is_causal aligns the mask top-left, which is only right without a prefix), within the window.
+    q_pos = torch.arange(context_len, context_len + n, device=q.device)[:, None]
+    k_pos = torch.arange(key_start, key_start + num_keys, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window > 0:
+        mask &= k_pos > q_pos - window
+    return attention(qh, kh, vh, mask, scale, softcap).transpose(0, 1)
 
 
 def attend_prefills(out, query, key, value, key_cache, value_cache, block_tables, seqs: list[PrefillSeq],
-                    block_size: int, scale: float) -> None:
-    """out[tokens of each seq] = its causal attention; the cache must already hold this step's K/V."""
+                    block_size: int, scale: float, *, window: int = 0, softcap: float = 0.0) -> None:
+    """out[tokens of each seq] = its causal attention (within `window` keys, logits capped at `softcap`
+    when they are > 0); the cache must already hold this step's K/V."""
     for p in seqs:
         s, n = p.start, p.num_tokens
+        start = first_key(p.context_len, window)  # the first key any of the sequence's queries sees
         if p.context_len == 0:  # nothing cached before: this step's K/V are the whole sequence
             k, v = key[s : s + n], value[s : s + n]
         else:
-            k, v = gather_one(key_cache, value_cache, block_tables[p.index], p.seq_len, block_size)
-        out[s : s + n] = prefill_attention(query[s : s + n], k, v, p.context_len, scale)
+            k, v = gather_one(key_cache, value_cache, block_tables[p.index], p.seq_len, block_size, start)
+        out[s : s + n] = prefill_attention(query[s : s + n], k, v, p.context_len, scale, key_start=start,
+                                           window=window, softcap=softcap)

@@ -28,9 +28,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
-from pagedrun.attention import cpu_kernels
+from pagedrun.attention import cpu_kernels, sdpa_prefill
 from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.attention.cpu_kernels import int_arg
 from pagedrun.attention.metadata import AttentionMetadata
@@ -94,6 +93,9 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         kern = self._usable_kernel(query, key_cache, value_cache)
         if self.quantized:
@@ -101,14 +103,16 @@ class TorchAttentionBackend:
         else:
             reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernels=kern)
         if kern is not None:
-            out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale, k_scale, v_scale)
+            out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale, k_scale, v_scale,
+                                      window=window, softcap=softcap)
             if out is not None:
                 self.last_path = "cpu_kernel"
                 return out
         self.last_path = "torch"
         if self.quantized:
-            key_cache, value_cache, meta = self._dequantized_blocks(key_cache, value_cache, k_scale, v_scale, meta)
-        return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale)
+            key_cache, value_cache, meta = self._dequantized_blocks(key_cache, value_cache, k_scale, v_scale, meta,
+                                                                    window)
+        return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale, window, softcap)
 
     def _write_quantized(self, key, value, key_cache, value_cache, k_scale, v_scale, meta, kern):
         """Quantize this step's K/V and scatter the codes (and int8 scales); returns K/V as the cache
@@ -128,10 +132,10 @@ class TorchAttentionBackend:
         reshape_and_cache(qk, qv, key_cache, value_cache, meta.slot_mapping, kernels=kern)
         return kv_quant.dequantize_fp8(qk, k_scale, fmt), kv_quant.dequantize_fp8(qv, v_scale, fmt)
 
-    def _dequantized_blocks(self, key_cache, value_cache, k_scale, v_scale, meta):
+    def _dequantized_blocks(self, key_cache, value_cache, k_scale, v_scale, meta, window: int = 0):
         """The blocks this step reads, dequantized to float32 in a compact cache, and the metadata
         with its block tables renumbered into it (the full cache is never widened)."""
-        ids, renumbered = torch.unique(meta.block_tables.long(), return_inverse=True)
+        ids, renumbered = torch.unique(_tables_read(meta, window), return_inverse=True)
         if self.kv_cache_dtype == "int8":
             kc = kv_quant.dequantize_int8(key_cache[ids], k_scale[ids])
             vc = kv_quant.dequantize_int8(value_cache[ids], v_scale[ids])
@@ -174,8 +178,8 @@ class TorchAttentionBackend:
             return None
         return kern
 
-    def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale, k_scale=None,
-                       v_scale=None) -> torch.Tensor | None:
+    def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale, k_scale=None, v_scale=None, *,
+                       window: int = 0, softcap: float = 0.0) -> torch.Tensor | None:
         """Every token of the step in one kernel call; None if the kernel refused the arguments."""
         head_size = query.shape[2]
         if query.stride(2) != 1 or query.stride(1) != head_size:
@@ -185,11 +189,12 @@ class TorchAttentionBackend:
         threads = torch.get_num_threads()
         kv = cpu_kernels.kv_reader(self.kv_cache_dtype, k_scale, v_scale)
         if meta.is_decode_only and meta.num_seqs == query.shape[0]:
-            rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads, kv)
+            rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads, kv,
+                             window=window, softcap=softcap)
         else:
             starts, context_lens = int_arg(meta.query_start_loc, torch.int32), int_arg(meta.context_lens, torch.int32)
             rc = kern.varlen(out, query, key_cache, value_cache, tables, starts, seq_lens, context_lens, scale, threads,
-                             kv)
+                             kv, window=window, softcap=softcap)
         if rc != 0:
             # Inconsistent metadata or a block id outside the cache: let the torch path have it
             # (it raises on what the kernel could only have crashed on).
@@ -198,24 +203,27 @@ class TorchAttentionBackend:
         self.cpu_kernel_error = None
         return out
 
-    def _attend_torch(self, query, key, value, key_cache, value_cache, meta, scale) -> torch.Tensor:
+    def _attend_torch(self, query, key, value, key_cache, value_cache, meta, scale, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
         """The reference path: batched gather + SDPA for decodes, one SDPA per prefill."""
         num_tokens = query.shape[0]
         qlens = meta.query_lens_list
         if meta.is_decode_only and sum(qlens) == num_tokens:
-            return self._decode(query, key_cache, value_cache, meta, range(meta.num_seqs), scale)
+            return self._decode(query, key_cache, value_cache, meta, range(meta.num_seqs), scale, window, softcap)
 
         out = query.new_zeros(query.shape)  # rows of padding tokens stay zero
         starts = meta.query_start_loc.tolist()
         decode_seqs = [i for i, n in enumerate(qlens) if n == 1]
         if decode_seqs:
             tok = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
-            out[tok] = self._decode(query[tok], key_cache, value_cache, meta, decode_seqs, scale)
+            out[tok] = self._decode(query[tok], key_cache, value_cache, meta, decode_seqs, scale, window, softcap)
         attend_prefills(out, query, key, value, key_cache, value_cache, meta.block_tables,
-                        prefill_seqs(qlens, meta.seq_lens_list), meta.block_size, scale)
+                        prefill_seqs(qlens, meta.seq_lens_list), meta.block_size, scale, window=window,
+                        softcap=softcap)
         return out
 
-    def _decode(self, query, key_cache, value_cache, meta, seqs, scale) -> torch.Tensor:
+    def _decode(self, query, key_cache, value_cache, meta, seqs, scale, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """query [S, heads, hd], one token per sequence in `seqs` -> [S, heads, hd], in chunks of
         at most DECODE_GATHER_TOKENS gathered rows (one chunk in most steps)."""
         all_seqs = isinstance(seqs, range) and len(seqs) == meta.num_seqs
@@ -223,32 +231,41 @@ class TorchAttentionBackend:
         seq_lens = meta.seq_lens if all_seqs else meta.seq_lens[list(seqs)]
         tables = meta.block_tables if all_seqs else meta.block_tables[list(seqs)]
         # The same for every layer of the step: worked out by the first.
-        key = ("decode_chunks", all_seqs, DECODE_GATHER_TOKENS)
+        # (A window bounds what is gathered: at most window + block_size - 1 rows a sequence.)
+        block_size = key_cache.shape[1]
+        key = ("decode_chunks", all_seqs, DECODE_GATHER_TOKENS, window)
         chunks = meta.backend_state.get(key)
         if chunks is None:
-            chunks = meta.backend_state[key] = decode_chunks(lens, key_cache.shape[1], DECODE_GATHER_TOKENS)
+            gathered = [min(n, window + block_size - 1) for n in lens] if window > 0 else lens
+            chunks = meta.backend_state[key] = decode_chunks(gathered, block_size, DECODE_GATHER_TOKENS)
+        variant = {"window": window, "softcap": softcap}
         if len(chunks) == 1:
-            return _gather_decode(query, key_cache, value_cache, tables, seq_lens, max(lens), scale)
+            return _gather_decode(query, key_cache, value_cache, tables, seq_lens, max(lens), scale, **variant)
         out = torch.empty_like(query)
         for c in chunks:
             sl = slice(c.start, c.stop)
             out[sl] = _gather_decode(query[sl], key_cache, value_cache, tables[sl], seq_lens[sl],
-                                     max(lens[sl]), scale)
+                                     max(lens[sl]), scale, **variant)
         return out
 
 
 
-def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, scale) -> torch.Tensor:
-    """One gather of the sequences' blocks (padded to the longest) and one batched SDPA."""
+def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, scale, *, window: int = 0,
+                   softcap: float = 0.0) -> torch.Tensor:
+    """One gather of the sequences' blocks (padded to the longest) and one batched SDPA. With a window,
+    each sequence's blocks from the one holding its first visible key (seq_len - window) only: the
+    table entries below it (placeholders) are not read."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_blocks = -(-max_len // block_size)
-    ids = tables[:, :num_blocks].reshape(-1)
+    ids, pos, num_blocks = _decode_blocks(tables, seq_lens, max_len, block_size, window)
     length = num_blocks * block_size
     # One gather for all sequences: [S, L, kv_heads, hd], viewed as [S, kv_heads, L, hd].
     k = key_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
     v = value_cache.index_select(0, ids).view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(length, device=query.device)[None, :] < seq_lens.to(query.device)[:, None]
+    lens = seq_lens.to(query.device)[:, None]
+    valid = pos < lens
+    if window > 0:
+        valid &= pos >= lens - window
     # Slots past the end may hold anything (another sequence's stale data, or memory never
     # written, possibly NaN): zero them, since a masked NaN score or 0 * NaN value still
     # poisons the output. k and v are copies. (Cheaper than gathering token by token.)
@@ -257,15 +274,39 @@ def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, sca
     v.masked_fill_(invalid, 0.0)
     # SDPA with GQA on the un-repeated K/V: faster on CPU than matmul+softmax, and no repeated K/V
     # (docs/log/2026-11-27-figures-from-code-comments.md).
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2).to(k.dtype),  # [S, heads, 1, hd]
-        k,
-        v,
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    q = query.unsqueeze(2).to(k.dtype)  # [S, heads, 1, hd]
+    out = sdpa_prefill.attention(q, k, v, valid[:, None, None, :], scale, softcap)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _decode_blocks(tables, seq_lens, max_len: int, block_size: int, window: int):
+    """The block ids to gather ([S * num_blocks], the sequences' runs one after another), the cache
+    position of each gathered row ([S, num_blocks * block_size]) and num_blocks."""
+    device = tables.device
+    if window <= 0:
+        num_blocks = -(-max_len // block_size)
+        pos = torch.arange(num_blocks * block_size, device=device)[None, :]
+        return tables[:, :num_blocks].reshape(-1), pos, num_blocks
+    # window keys span at most this many blocks (the first key at a block's last slot)
+    num_blocks = min(-(-max_len // block_size), (window + block_size - 2) // block_size + 1)
+    first = (seq_lens.to(device).long() - window).clamp(min=0) // block_size  # [S]
+    cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]
+    # Columns past a table's end are padding: clamped here, and their rows masked like any past seq_len.
+    ids = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
+    pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).view(len(first), -1)
+    return ids.reshape(-1), pos, num_blocks
+
+
+def _tables_read(meta: AttentionMetadata, window: int) -> torch.Tensor:
+    """meta.block_tables (int64) with every entry below the first block the sequence's first query
+    of the step sees (window > 0) pointed at that block: a placeholder's block is never dequantized."""
+    tables = meta.block_tables.long()
+    if window <= 0 or tables.numel() == 0:
+        return tables
+    first = (meta.context_lens.to(tables.device).long() - window + 1).clamp(min=0) // meta.block_size
+    first = first.clamp(max=tables.shape[1] - 1)[:, None]
+    below = torch.arange(tables.shape[1], device=tables.device)[None, :] < first
+    return torch.where(below, tables.gather(1, first), tables)
 
 
 def reshape_and_cache(

@@ -30,10 +30,10 @@ class Case:
     """(context_len, query_len) per sequence, laid out in a NaN-filled paged cache."""
 
     def __init__(self, seqs, block_size, heads, kv_heads, head_dim, seed=0, dtype=torch.float32,
-                 num_pad_tokens=0, fused_qkv=False):
+                 num_pad_tokens=0, fused_qkv=False, window=0, softcap=0.0):
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
-        self.dtype = dtype
+        self.dtype, self.block_size, self.window, self.softcap = dtype, block_size, window, softcap
         num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
         ids = list(range(num_blocks))
         rng.shuffle(ids)
@@ -81,11 +81,22 @@ class Case:
         self.context_lens = [c for c, _ in seqs]
         self.num_real = sum(n for _, n in seqs)
         self.scale = head_dim**-0.5
+        self.spare = ids  # blocks no sequence uses: NaN throughout
+
+    def placeholders(self) -> int:
+        """Points every table entry wholly below the window of its sequence's first query at a NaN
+        block, as the hybrid KV manager leaves them; returns how many it replaced."""
+        count = 0
+        for i, ctx in enumerate(self.context_lens if self.window > 0 else []):
+            first = max(0, ctx - self.window + 1) // self.block_size
+            self.meta.block_tables[i, :first] = self.spare[0]
+            count += first
+        return count
 
     def run(self, use_cpu_kernel=True):
         backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
         out = backend.forward(self.query, self.key, self.value, self.key_cache, self.value_cache, self.meta,
-                              self.scale)
+                              self.scale, window=self.window, softcap=self.softcap)
         expected = "torch" if use_cpu_kernel is False else "cpu_kernel"
         assert backend.last_path == expected, backend.cpu_kernel_error
         return out
@@ -93,7 +104,8 @@ class Case:
     def check(self, atol=2e-5, use_cpu_kernel=True):
         out = self.run(use_cpu_kernel)
         assert out.shape == self.query.shape and out.dtype == self.dtype
-        assert_matches_reference(out, self.queries, self.keys, self.values, self.context_lens, self.scale, atol)
+        assert_matches_reference(out, self.queries, self.keys, self.values, self.context_lens, self.scale, atol,
+                                 self.window, self.softcap)
         assert torch.equal(out[self.num_real :], torch.zeros_like(out[self.num_real :])), "padding rows not zero"
         return out
 

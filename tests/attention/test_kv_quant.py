@@ -233,3 +233,22 @@ def test_recipe_scale_and_bad_calibration(tmp_path):
     with pytest.raises(PagedrunError, match="cache.k_scale=0: must be a number > 0"):
         _run(d, "cache.kv_cache_dtype=fp8", "cache.k_scale=0")
     assert math.isfinite(float(engine.worker.cache_engine.layer_scales.sum()))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("use_cpu_kernel", [True, False])
+@pytest.mark.parametrize("window,softcap", [(11, 0.0), (24, 30.0)])
+def test_quantized_cache_with_window(kern, fmt, use_cpu_kernel, window, softcap):
+    """Sliding window (and softcap) over a quantized cache; the table entries below each window are
+    placeholders (a NaN block: NaN scales for int8, NaN codes for fp8), never read or dequantized."""
+    seqs = [(0, 40), (35, 1), (50, 9), (3, 1), (window, 1), (2 * window, 12)]
+    case = Case(seqs, 8, 4, 2, 64, seed=len(fmt) + window, window=window, softcap=softcap)
+    assert case.placeholders() > 0
+    kq, vq, ks, vs, keys, values = _quantized_case(case, fmt)
+    if fmt == "int8":
+        ks[case.spare[0]], vs[case.spare[0]] = float("nan"), float("nan")
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel, kv_cache_dtype=fmt)
+    out = backend.forward(case.query, case.key, case.value, kq, vq, case.meta, case.scale, ks, vs, window=window,
+                          softcap=softcap)
+    assert backend.last_path == ("cpu_kernel" if use_cpu_kernel else "torch"), backend.cpu_kernel_error
+    assert_matches_reference(out, case.queries, keys, values, case.context_lens, case.scale, 2e-5, window, softcap)

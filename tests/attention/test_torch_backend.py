@@ -181,9 +181,9 @@ def test_decode_in_chunks(monkeypatch, limit, mixed):
     whole = case.run(TorchAttentionBackend(use_cpu_kernel=False))
     rows, gather = [], TB._gather_decode
 
-    def spy(query, key_cache, value_cache, tables, seq_lens, max_len, scale):
+    def spy(query, key_cache, value_cache, tables, seq_lens, max_len, scale, **variant):
         rows.append(query.shape[0] * -(-max_len // 16) * 16)
-        return gather(query, key_cache, value_cache, tables, seq_lens, max_len, scale)
+        return gather(query, key_cache, value_cache, tables, seq_lens, max_len, scale, **variant)
 
     monkeypatch.setattr(TB, "DECODE_GATHER_TOKENS", limit)
     monkeypatch.setattr(TB, "_gather_decode", spy)
