@@ -396,8 +396,9 @@ def test_softcap_changes_the_output(emu):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_window_v2_launches_only_the_partitions_of_the_window(emu, dtype):
     """Long sequences under a window of 600 or 1,024 keys: v2's grid covers the window (3 partitions, the
-    most either can touch, instead of 4), the window's first key falls inside a partition, on a partition boundary (1024) and
-    below it, placeholders are NaN; v2 and v1 (whose shared memory shrinks to the window) both match."""
+    most either can touch, instead of 4), the window's first key falls inside a partition, on a partition
+    boundary (1024) and below it, placeholders are NaN; v2 and v1 (whose shared memory shrinks to the
+    window) both match."""
     variant = v2_variants(dtype)[1]
     ker = emu(dtype)[variant]
     for window, lens in ((600, [1537, 1624, 1200, 599, 601, 3]), (1024, [1537, 2048, 1025, 700])):
@@ -607,7 +608,8 @@ def build_step(spec: StepSpec, dtype: torch.dtype, head_size: int, block_size: i
     return query, key, value, key_cache, value_cache, meta, full_k, full_v
 
 
-def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads) -> torch.Tensor:
+def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     out = torch.zeros(query.shape, dtype=torch.float64)
     q64 = query.double()
     group = num_heads // num_kv_heads
@@ -616,10 +618,34 @@ def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads
         c = int(meta.context_lens[i])
         for j in range(qlen):
             L = c + j + 1
+            first = first_key(L, window)
             for h in range(num_heads):
-                logits = full_k[i][:L, h // group] @ q64[starts[i] + j, h] * scale
-                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][:L, h // group]
+                logits = full_k[i][first:L, h // group] @ q64[starts[i] + j, h] * scale
+                if softcap > 0:
+                    logits = softcap * torch.tanh(logits / softcap)
+                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][first:L, h // group]
     return out
+
+
+def placeholders_below_window(meta, key_cache, value_cache, window: int) -> int:
+    """The hybrid KV manager's sliding-layer tables: every block wholly below the window of a
+    sequence's first query in the step points at a spare (all-NaN) block, and the slots below that
+    window hold NaN. Returns how many table entries became placeholders."""
+    bs = meta.block_size
+    tables = meta.block_tables
+    used = set(tables.flatten().tolist())
+    spare = next(b for b in range(key_cache.shape[0]) if b not in used)
+    assert torch.isnan(key_cache[spare].float()).all()
+    flat_k, flat_v = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
+    count = 0
+    for i, c in enumerate(meta.context_lens.tolist()):
+        first = first_key(int(c) + 1, window)  # the first query sits at position context_len
+        for t in range(first):
+            flat_k[int(tables[i, t // bs]) * bs + t % bs] = float("nan")
+            flat_v[int(tables[i, t // bs]) * bs + t % bs] = float("nan")
+        tables[i, : first // bs] = spare
+        count += first // bs
+    return count
 
 
 BACKEND_CASES = [
@@ -648,6 +674,52 @@ def test_emulated_backend_mixed_step(emu, case):
     # every new token's K/V landed in its slot (the cache was written in place)
     flat_k = kc.view(-1, KVH, D)
     assert torch.equal(flat_k[meta.slot_mapping[: sum(spec.query_lens)]], key[: sum(spec.query_lens)])
+
+
+WINDOW_BACKEND_CASES = [
+    # (dtype, head_size, block_size, heads, kv_heads, spec, window, softcap)
+    ("float32", 64, 32, 4, 2, StepSpec([0, 40, 70, 0], [50, 3, 1, 1]), 37, 0.0),  # prefill past the window
+    ("float16", 64, 16, 9, 3, StepSpec([16, 0, 33, 90], [4, 6, 1, 1]), 20, 5.0),  # SmolLM2's heads, capped
+    ("bfloat16", 96, 16, 2, 1, StepSpec([100, 5, 64], [1, 1, 1]), 33, 0.0),  # decode only: the direct path
+]
+
+
+@pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
+@pytest.mark.parametrize("case", WINDOW_BACKEND_CASES,
+                         ids=[f"{c[0]}-w{c[6]}-cap{c[7]:g}" for c in WINDOW_BACKEND_CASES])
+def test_emulated_backend_window_and_softcap(emu, case, prefill):
+    """forward(window=, softcap=) on mixed steps: prefill tokens as pseudo-sequences (each its own window)
+    or through attend_prefills (the GPU path's SDPA), decodes through the kernels; the blocks below
+    each sequence's window are NaN placeholders, as the hybrid KV manager leaves them."""
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
+
+    dtype_name, D, bs, H, KVH, spec, window, softcap = case
+    dtype = getattr(torch, dtype_name)
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill=prefill)
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, dtype, D, bs, H, KVH, seed=window)
+    assert placeholders_below_window(meta, kc, vc, window) > 0
+    scale = D**-0.5
+    out = backend.forward(query, key, value, kc, vc, meta, scale, window=window, softcap=softcap)
+    ref = causal_reference(query, meta, fk, fv, scale, H, KVH, window, softcap)
+    assert_close(out.double().numpy(), ref.numpy(), dtype_name, f"backend {prefill}")
+    assert (out[sum(spec.query_lens):] == 0).all(), "padding rows must stay zero"
+    if softcap:  # the cap reached the output: it differs from the uncapped reference
+        uncapped = causal_reference(query, meta, fk, fv, scale, H, KVH, window)
+        assert rel_err(out.double().numpy(), uncapped.numpy()) > 1e-3
+
+
+def test_emulated_backend_window_long_prefix_uses_v2(emu):
+    """A window of 600 over a 1,200-token prefix: v2 (its keys need two partitions), NaN placeholders."""
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
+
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
+    spec = StepSpec([1200, 3], [2, 1])
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, torch.float16, 64, 16, 4, 2, seed=10)
+    assert placeholders_below_window(meta, kc, vc, 600) == 37  # 601 // 16: seq 0's first key is 601
+    out = backend.forward(query, key, value, kc, vc, meta, 0.125, window=600)
+    assert backend.last_version == "v2"
+    ref = causal_reference(query, meta, fk, fv, 0.125, 4, 2, 600)
+    assert_close(out.double().numpy(), ref.numpy(), "float16", "backend v2 window")
 
 
 def test_emulated_backend_long_prefix_uses_v2(emu):
