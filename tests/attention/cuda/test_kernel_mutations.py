@@ -8,7 +8,9 @@ next to an unmutated control copy that must pass the same checks.
 A mutant counts as caught when, on either schedule we run it under, the output is wrong
 (non-finite or beyond the dtype's tolerance vs the float64 reference) or the launch raises an
 emulator error (EmuDeadlockError for divergent collectives). `caught_by` records, per schedule,
-what each one is expected to trip, so a weakened check shows up as a failing test.
+what each one is expected to trip, so a weakened check shows up as a failing test. Mutants of the
+sliding window and soft-capping run on windowed cases whose keys below each window are NaN (an
+off-by-one that reads one key too many reads a NaN).
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ dtype's variants share one module, built for all three dtypes in parallel):
 - ragged seq_lens with 1, exact multiples of the block size and partial last blocks, shuffled block
   tables, every unused cache slot poisoned with NaN (a read past the end shows up as NaN);
 - round_robin and greedy schedules give bit-identical outputs (no races on shared memory);
+- sliding window and soft-capping: windows at W - 1, W, W + 1 keys and on block and partition
+  boundaries, v1 and v2 (whose grid skips the partitions below a window), NaN placeholder blocks
+  below every window, the window-aware v1/v2 choice and sizes, the emulated backend's forward;
 - reshape_and_cache (negative slots skipped);
 - the emulated backend on mixed prefill (+cached prefix) / decode metadata, and the registry.
 
