@@ -279,6 +279,8 @@ class PagedKernels:
         window, softcap = int(window), float(softcap)
         _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
         _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
+        if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
+            window = 0
         if version is None:
             version = "v1" if use_v1(max_seq_len, window) else "v2"
         if version not in ("v1", "v2"):

@@ -447,6 +447,16 @@ def test_window_sizes_and_rule():
             assert -(-L // 16) - first // 16 <= K.spanned_units(200, w, 16)
 
 
+def test_window_past_every_sequence_is_full_attention(emu):
+    """A window no sequence reaches (even one past int32) launches as no window: the same bits."""
+    variant = v2_variants("bfloat16")[1]
+    case = make_case(variant, [40, 9, 700], 2, 1, seed=8)
+    ker = emu("bfloat16")[variant]
+    full, _ = run_case(ker, case, "v2")
+    for window in (700, 2**40):
+        np.testing.assert_array_equal(run_case(ker, case, "v2", window)[0], full)
+
+
 def test_window_and_softcap_argument_checks(emu):
     variant = v2_variants("float32")[1]
     case = make_case(variant, [40, 9], 2, 2)
