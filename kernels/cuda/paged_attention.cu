@@ -81,7 +81,8 @@ __device__ inline void paged_attention_body(
   const int num_seq_blocks = PR_DIV_UP(seq_len, BLOCK_SIZE);
   const int first_block = first_key / BLOCK_SIZE;
   constexpr int BLOCKS_PER_PARTITION = USE_PARTITIONING ? PARTITION_SIZE / BLOCK_SIZE : 1;
-  // v2: grid partition z is absolute partition first_key / PARTITION_SIZE + z (v1: the whole window).
+  // v2: grid partition z is absolute partition first_key / PARTITION_SIZE + z (v1: the whole window;
+  // its PARTITION_SIZE is 0, hence pr_max: the untaken division must still compile without a warning).
   const int partition_block0 =
       USE_PARTITIONING ? (first_key / pr_max(PARTITION_SIZE, 1) + partition_idx) * BLOCKS_PER_PARTITION : first_block;
   if (USE_PARTITIONING && partition_block0 >= num_seq_blocks) return;  // past the end: nothing to do
