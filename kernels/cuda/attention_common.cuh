@@ -46,6 +46,17 @@ struct alignas(sizeof(T) * N) Packed {
   T v[N];
 };
 
+// Sliding window: the first key position a query at position seq_len - 1 sees (window 0: all of them).
+__host__ __device__ inline int window_first_key(int seq_len, int window) {
+  return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+// Gemma 2's logit soft-capping, cap * tanh(logit / cap); cap 0 is off. The branch is uniform across
+// the launch (one argument), so an uncapped kernel pays one predicted compare per logit.
+__device__ inline float soft_cap(float logit, float cap) {
+  return cap > 0.f ? cap * tanhf(logit / cap) : logit;
+}
+
 __device__ inline float fast_exp(float x) {
 #if defined(__CUDA_ARCH__)
   return __expf(x);

@@ -8,6 +8,8 @@
 //   k_scales / v_scales  fp8: [1]; int8: [num_blocks, BLOCK_SIZE, num_kv_heads]; unquantized: unused
 //   block_tables [num_seqs, max_num_blocks_per_seq] int32, seq_lens [num_seqs] int32
 //   out          [num_seqs, num_heads, head_size]
+//   window       sliding window (0: off): the query (position seq_len - 1) sees keys [seq_len - window, seq_len)
+//   softcap      logit soft-capping (0: off): logit = softcap * tanh(scale * q.k / softcap)
 //
 // Grid (num_heads, num_seqs[, max_num_partitions]); NUM_THREADS (128) threads = 4 warps.
 // Rules that keep this file emulatable (docs/design/cuda-kernels.md, docs/design/emulator.md): dynamic shared memory only
@@ -37,6 +39,12 @@ namespace pagedrun {
 // with the same head slice are folded by xor-shuffles, warps by shared memory.
 // A quantized cache (KV_DTYPE != kAuto) has 1-byte elements, so the same 16-byte loads carry twice
 // (fp16/bf16) or four times (fp32) the elements; rows are dequantized to float in registers.
+//
+// Sliding window: the key loop starts at the block holding the window's first key, so blocks wholly
+// below the window are never read (the hybrid KV manager leaves placeholders there, any contents);
+// keys of that first block below the window are masked like keys past the end. v2's grid partitions
+// are absolute 512-token partitions counted from the one holding the window's first key (z index 0),
+// so a launch covers only the window (paged_attention_v2_reduce_kernel counts them the same way).
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
           KvCacheDtype KV_DTYPE, int GROUP>
 __device__ inline void paged_attention_body(
@@ -48,7 +56,7 @@ __device__ inline void paged_attention_body(
     const kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int max_num_blocks_per_seq, const int q_stride) {
+    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
   using cache_t = kv_cache_t<scalar_t, KV_DTYPE>;
   constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;
   constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
@@ -69,7 +77,15 @@ __device__ inline void paged_attention_body(
   const int lane = thread_idx % PR_WARP_SIZE;
 
   // Block-uniform early exits (before any barrier).
-  if (USE_PARTITIONING && partition_idx * PARTITION_SIZE >= seq_len) return;  // nothing to do
+  const int first_key = window_first_key(seq_len, window);
+  const int num_seq_blocks = PR_DIV_UP(seq_len, BLOCK_SIZE);
+  const int first_block = first_key / BLOCK_SIZE;
+  constexpr int BLOCKS_PER_PARTITION = USE_PARTITIONING ? PARTITION_SIZE / BLOCK_SIZE : 1;
+  // v2: grid partition z is absolute partition first_key / PARTITION_SIZE + z (v1: the whole window;
+  // its PARTITION_SIZE is 0, hence pr_max: the untaken division must still compile without a warning).
+  const int partition_block0 =
+      USE_PARTITIONING ? (first_key / pr_max(PARTITION_SIZE, 1) + partition_idx) * BLOCKS_PER_PARTITION : first_block;
+  if (USE_PARTITIONING && partition_block0 >= num_seq_blocks) return;  // past the end: nothing to do
   if (seq_len <= 0) {  // empty sequence (padding row): a defined zero output instead of 0/0
     for (int i = thread_idx; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
       out[((long long)seq_idx * num_heads + head0) * HEAD_SIZE + i] = from_float<scalar_t>(0.f);
@@ -77,14 +93,17 @@ __device__ inline void paged_attention_body(
     return;
   }
 
-  const int num_seq_blocks = PR_DIV_UP(seq_len, BLOCK_SIZE);
-  const int num_blocks_per_partition = USE_PARTITIONING ? PARTITION_SIZE / BLOCK_SIZE : num_seq_blocks;
-  const int start_block_idx = USE_PARTITIONING ? partition_idx * num_blocks_per_partition : 0;
-  const int end_block_idx = pr_min(start_block_idx + num_blocks_per_partition, num_seq_blocks);
+  // The first partition may begin below the window: start at the window's first block.
+  const int start_block_idx = pr_max(partition_block0, first_block);
+  const int end_block_idx = USE_PARTITIONING ? pr_min(partition_block0 + BLOCKS_PER_PARTITION, num_seq_blocks)
+                                             : num_seq_blocks;
   const int start_token_idx = start_block_idx * BLOCK_SIZE;
   const int end_token_idx = pr_min(end_block_idx * BLOCK_SIZE, seq_len);
   const int num_tokens = end_token_idx - start_token_idx;
-  const int logits_stride = num_blocks_per_partition * BLOCK_SIZE;  // one query head's logits row
+  // Logits of the first block's keys below the window are never read: the softmax starts past them.
+  const int first_logit = pr_max(first_key - start_token_idx, 0);
+  // One query head's logits row: a partition, or (v1) the window's blocks (the host sizes both).
+  const int logits_stride = USE_PARTITIONING ? PARTITION_SIZE : (num_seq_blocks - first_block) * BLOCK_SIZE;
 
   const int num_queries_per_kv = num_heads / num_kv_heads;
   const int kv_head_idx = head0 / num_queries_per_kv;  // GROUP divides num_queries_per_kv (host)
@@ -163,7 +182,8 @@ __device__ inline void paged_attention_body(
     // The key row's dequantization scale rides on the softmax scale (one multiply per token).
     const float qk_scale = scale * kv_row_scale<KV_DTYPE>(k_scales, physical_block_number * BLOCK_SIZE +
                                                           physical_block_offset, num_kv_heads, kv_head_idx);
-    const bool past_end = token_idx >= seq_len;
+    // Past the end or below the window, as one unsigned range check (a key below wraps around).
+    const bool masked = (unsigned)(token_idx - first_key) >= (unsigned)(seq_len - first_key);
     PR_UNROLL
     for (int g = 0; g < GROUP; g++) {
       // Fold the group's partial dots; all 32 lanes take part, every lane ends with its group's dot.
@@ -171,23 +191,28 @@ __device__ inline void paged_attention_body(
       for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) {
         qk[g] += __shfl_xor_sync(PR_FULL_MASK, qk[g], mask);
       }
-      const float logit = qk[g] * qk_scale;
+      const float logit = qk[g] * qk_scale;  // soft-capped in the softmax below
       if (thread_group_offset == 0) {
-        // Keys past the end may hold anything (even NaN): the select drops them, logit := 0.
-        logits[g * logits_stride + token_idx - start_token_idx] = past_end ? 0.f : logit;
-        qk_max[g] = past_end ? qk_max[g] : fmaxf(qk_max[g], logit);
+        // Masked keys may hold anything (even NaN): the select drops them, logit := 0.
+        logits[g * logits_stride + token_idx - start_token_idx] = masked ? 0.f : logit;
+        qk_max[g] = masked ? qk_max[g] : fmaxf(qk_max[g], logit);
       }
     }
   }
   // Lanes with thread_group_offset == 0 hold the maxima; xor masks >= THREAD_GROUP_SIZE combine them.
   block_max_n<NUM_WARPS, THREAD_GROUP_SIZE, GROUP>(qk_max, red_smem, warp_idx, lane);
+  // Soft-capping is monotonic, so the capped maximum is the cap of the raw one: capping here rather
+  // than in the QK loop keeps tanhf out of its registers (the grouped kernels spilled) and gives the
+  // maximal logit exactly exp(0) as before.
+  PR_UNROLL
+  for (int g = 0; g < GROUP; g++) qk_max[g] = soft_cap(qk_max[g], softcap);
 
   float exp_sum[GROUP];
   PR_UNROLL
   for (int g = 0; g < GROUP; g++) {
     exp_sum[g] = 0.f;
-    for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) {
-      const float val = fast_exp(logits[g * logits_stride + i] - qk_max[g]);
+    for (int i = first_logit + thread_idx; i < num_tokens; i += NUM_THREADS) {
+      const float val = fast_exp(soft_cap(logits[g * logits_stride + i], softcap) - qk_max[g]);
       logits[g * logits_stride + i] = val;
       exp_sum[g] += val;
     }
@@ -195,9 +220,11 @@ __device__ inline void paged_attention_body(
   block_sum_n<NUM_WARPS, GROUP>(exp_sum, red_smem + NUM_WARPS * GROUP, warp_idx, lane);
   PR_UNROLL
   for (int g = 0; g < GROUP; g++) {
-    // exp_sum >= 1: the maximal logit contributes exp(0).
+    // exp_sum >= 1: the maximal logit contributes exp(0) (each launched partition holds a window key).
     const float inv_sum = 1.f / exp_sum[g];
-    for (int i = thread_idx; i < num_tokens; i += NUM_THREADS) logits[g * logits_stride + i] *= inv_sum;
+    for (int i = first_logit + thread_idx; i < num_tokens; i += NUM_THREADS) {
+      logits[g * logits_stride + i] *= inv_sum;
+    }
   }
   __syncthreads();
 
@@ -260,7 +287,7 @@ __device__ inline void paged_attention_body(
       for (int b = 0; b < V_BATCH; b++) {
         const int t = token_sub + (i0 + b) * TOKENS_PER_ITER;
         const int token_idx = block_idx * BLOCK_SIZE + t;
-        const bool valid = t < BLOCK_SIZE && token_idx < seq_len;
+        const bool valid = t < BLOCK_SIZE && (unsigned)(token_idx - first_key) < (unsigned)(seq_len - first_key);
         // The value row's scale rides on its softmax weight.
         const float v_scale = valid ? kv_row_scale<KV_DTYPE>(v_scales, physical_block_number * BLOCK_SIZE + t,
                                                              num_kv_heads, kv_head_idx) : 0.f;
@@ -351,13 +378,14 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
     const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int max_num_blocks_per_seq, const int q_stride) {
+    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
   pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, KV_DTYPE, GROUP>(
       nullptr, nullptr, out, nullptr, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
-      block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap);
 }
 
-// Grid (num_heads / GROUP, num_seqs, max_num_partitions); partial results are kept in fp32.
+// Grid (num_heads / GROUP, num_seqs, max_num_partitions); partial results are kept in fp32. With a window,
+// max_num_partitions covers the longest window (z = partitions counted from the window's first key's).
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
           pagedrun::KvCacheDtype KV_DTYPE = pagedrun::KvCacheDtype::kAuto, int GROUP = 1>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
@@ -366,20 +394,21 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
     const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int max_num_blocks_per_seq, const int q_stride) {
+    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
   pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, KV_DTYPE, GROUP>(
       exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
-      block_tables, seq_lens, max_num_blocks_per_seq, q_stride);
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap);
 }
 
 // Combine the partitions of one (head, sequence): partition i's output was normalised by its own
 // exp-sum s_i at its own max m_i; with M = max_i m_i its weight is s_i * exp(m_i - M) / sum_j(...).
-// Grid (num_heads, num_seqs); dynamic shared memory 2 * max_num_partitions floats.
+// Grid (num_heads, num_seqs); dynamic shared memory 2 * max_num_partitions floats. `window` as given to
+// the v2 kernel: it says which partitions that kernel wrote (each of them holds a key of the window).
 template <typename scalar_t, int HEAD_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
     scalar_t* __restrict__ out, const float* __restrict__ exp_sums,
     const float* __restrict__ max_logits, const float* __restrict__ tmp_out,
-    const int* __restrict__ seq_lens, const int max_num_partitions) {
+    const int* __restrict__ seq_lens, const int max_num_partitions, const int window) {
   constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
   const int num_heads = gridDim.x;
   const int head_idx = blockIdx.x;
@@ -396,7 +425,8 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
     for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) out_ptr[i] = pagedrun::from_float<scalar_t>(0.f);
     return;
   }
-  const int num_partitions = PR_DIV_UP(seq_len, PARTITION_SIZE);
+  const int num_partitions = PR_DIV_UP(seq_len, PARTITION_SIZE) -
+                             pagedrun::window_first_key(seq_len, window) / PARTITION_SIZE;
   if (num_partitions == 1) {  // nothing to rescale
     for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
       out_ptr[i] = pagedrun::from_float<scalar_t>(tmp_ptr[i]);

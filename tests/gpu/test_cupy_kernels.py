@@ -48,7 +48,8 @@ def gpu_kernels(dtype: str) -> dict[K.KernelVariant, K.PagedKernels]:
     return K.build_kernels(K.cupy_module_factory, variants, cupy)
 
 
-def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None) -> tuple[np.ndarray, str]:
+def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None, window: int = 0,
+            softcap: float = 0.0) -> tuple[np.ndarray, str]:
     import cupy
 
     ker = gpu_kernels(case.variant.dtype)[case.variant]
@@ -56,19 +57,19 @@ def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None) -
     out = cupy.empty(case.query.shape, dtype=case.query.dtype)
     used = ker.paged_attention(
         out, d["query"], d["key_cache"], d["value_cache"], d["block_tables"], d["seq_lens_arr"],
-        max_seq_len or case.max_seq_len, case.scale, version=version,
+        max_seq_len or case.max_seq_len, case.scale, version=version, window=window, softcap=softcap,
     )
     cupy.cuda.get_current_stream().synchronize()
     return T.to_f64(cupy.asnumpy(out), case.variant.dtype), used
 
 
-def check(case: T.Case, version: str) -> None:
-    ref = case.reference()
-    gpu, used = run_gpu(case, version)
+def check(case: T.Case, version: str, window: int = 0, softcap: float = 0.0) -> None:
+    ref = case.reference(window, softcap)
+    gpu, used = run_gpu(case, version, window=window, softcap=softcap)
     assert used == version
-    T.assert_close(gpu, ref, case.variant.dtype, f"gpu {case.variant} {version}")
+    T.assert_close(gpu, ref, case.variant.dtype, f"gpu {case.variant} {version} window {window} softcap {softcap}")
     if _emulator():
-        emu, _ = T.run_case(T.emu_kernels(case.variant.dtype)[case.variant], case, version)
+        emu, _ = T.run_case(T.emu_kernels(case.variant.dtype)[case.variant], case, version, window, softcap)
         # __expf and FMA contraction differ from the emulator's expf: compare at the dtype's tolerance
         T.assert_close(gpu, emu, case.variant.dtype, f"gpu vs emulator {case.variant} {version}")
 
@@ -93,6 +94,18 @@ def test_gpu_v2_several_partitions(dtype, i):
     case = T.make_case(T.v2_variants(dtype)[i], T.V2_SEQ_LENS, 4, 2, seed=100 + i)
     check(case, "v2")
     check(case, "v1")
+
+
+@pytest.mark.parametrize("dtype", T.DTYPES)
+@pytest.mark.parametrize("window,softcap", [(20, 0.0), (48, 2.5), (600, 0.0), (1024, 30.0)])
+def test_gpu_window_and_softcap(dtype, window, softcap):
+    """The emulator's window / softcap cases (tests/attention/cuda/test_kernels.py) on the GPU, NaN
+    placeholders below every window: v1 and v2, short windows and ones whose v2 grid skips partitions."""
+    for i, variant in enumerate(T.v2_variants(dtype)):
+        lens = T.window_lens(window, variant.block_size) + ([1537, 2048] if window >= 600 else [])
+        case = T.poison_below_window(T.make_case(variant, lens, 4, 2, seed=window + i), window)
+        check(case, "v1", window, softcap)
+        check(case, "v2", window, softcap)
 
 
 def test_gpu_v1_above_48k_shared_memory():

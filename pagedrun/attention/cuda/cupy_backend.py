@@ -187,6 +187,9 @@ class CupyAttentionBackend:
         scale: float,
         k_scale=None,
         v_scale=None,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
@@ -202,7 +205,8 @@ class CupyAttentionBackend:
             out, version = paged_step.forward(ker, step, as_cupy, query, key, value, key_cache, value_cache,
                                               meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs,
                                               cache_views=(self._cache_view(key_cache),
-                                                           self._cache_view(value_cache)))
+                                                           self._cache_view(value_cache)),
+                                              window=window, softcap=softcap)
         if version != "none":
             self.last_version = version
         return out

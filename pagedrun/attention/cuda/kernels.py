@@ -9,10 +9,14 @@ a Python float would be packed as a double) are written once, here.
 Which variants exist and their template names: pagedrun.attention.cuda.variants (re-exported).
 A quantized KV cache (issue 18) adds two float32 scale arrays to reshape_and_cache and attention:
 fp8 one element per layer (k_scale, v_scale), int8 one per (slot, kv head) beside the blocks.
+Sliding-window attention and logit soft-capping (issue 37) are two launch arguments of every attention
+kernel (window, softcap; 0 = off); a window shrinks what the v1/v2 choice, v2's grid and v1's shared
+memory are sized by to the keys a query can see (key_span).
 """
 from __future__ import annotations
 
 import functools
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -86,13 +90,28 @@ def full_source() -> str:
 # ---------------------------------------------------------------- v1 / v2 choice and shared memory
 
 
-def num_partitions(max_seq_len: int) -> int:
-    return max(1, -(-max_seq_len // PARTITION_SIZE))
+def key_span(max_seq_len: int, window: int = 0) -> int:
+    """The most keys a query of a sequence of <= max_seq_len tokens attends to."""
+    return min(max_seq_len, window) if window > 0 else max_seq_len
 
 
-def use_v1(max_seq_len: int) -> bool:
-    """v1 when every sequence fits in one partition; v2 (split, then reduced) otherwise."""
-    return num_partitions(max_seq_len) == 1
+def spanned_units(max_seq_len: int, window: int, unit: int) -> int:
+    """The most aligned `unit`-token chunks (cache blocks, v2 partitions) holding some key of one
+    query's range: every chunk of the sequence without a window; with one, the window's keys
+    [seq_len - window, seq_len) touch at most 1 + ceil((window - 1) / unit) of them."""
+    units = max(1, -(-max_seq_len // unit))
+    return min(units, 1 + -(-(window - 1) // unit)) if window > 0 else units
+
+
+def num_partitions(max_seq_len: int, window: int = 0) -> int:
+    """v2's grid depth: partitions are absolute (512 tokens), counted from the one holding the
+    window's first key, so a window needs only the partitions it touches."""
+    return spanned_units(max_seq_len, window, PARTITION_SIZE)
+
+
+def use_v1(max_seq_len: int, window: int = 0) -> bool:
+    """v1 when every query's keys fit in one partition; v2 (split, then reduced) otherwise."""
+    return key_span(max_seq_len, window) <= PARTITION_SIZE
 
 
 # A grouped launch has num_heads / group times fewer blocks. On an H200 (132 SMs) a launch of fewer
@@ -112,10 +131,10 @@ def pick_group(variant: KernelVariant, num_heads: int, num_kv_heads: int, blocks
     return group
 
 
-def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int, group: int = 1) -> int:
-    """Bytes: fp32 logits of the longest sequence (whole blocks) per query head of the block,
-    reused for the output reduction."""
-    padded = -(-max(max_seq_len, 1) // block_size) * block_size
+def v1_shared_mem(max_seq_len: int, head_size: int, block_size: int, group: int = 1, window: int = 0) -> int:
+    """Bytes: fp32 logits of the longest sequence (whole blocks; with a window, the blocks it
+    touches) per query head of the block, reused for the output reduction."""
+    padded = spanned_units(max(max_seq_len, 1), window, block_size) * block_size
     return 4 * group * max(padded, (NUM_THREADS // WARP_SIZE) * head_size)
 
 
@@ -220,10 +239,13 @@ class PagedKernels:
     def paged_attention(
         self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
         scale: float, version: str | None = None, alloc: Alloc | None = None, k_scales=None, v_scales=None,
-        group: int | None = None,
+        group: int | None = None, *, window: int = 0, softcap: float = 0.0,
     ) -> str:
         """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
         k/v_scales: a quantized cache's float32 scales (see reshape_and_cache).
+        window > 0: seq i's query (position seq_lens[i] - 1) sees only the last `window` of them, and
+        the kernels read no block wholly below that (a placeholder's contents never matter);
+        softcap > 0: each logit becomes softcap * tanh(logit / softcap) before the softmax.
 
         max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
         Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks), and
@@ -254,11 +276,16 @@ class PagedKernels:
                    lambda: f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
         _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
                lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
+        window, softcap = int(window), float(softcap)
+        _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
+        _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
+        if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
+            window = 0
         if version is None:
-            version = "v1" if use_v1(max_seq_len) else "v2"
+            version = "v1" if use_v1(max_seq_len, window) else "v2"
         if version not in ("v1", "v2"):
             raise ValueError(f"paged attention version {version!r}: v1 or v2")
-        per_head = num_seqs * (num_partitions(max_seq_len) if version == "v2" else 1)
+        per_head = num_seqs * (num_partitions(max_seq_len, window) if version == "v2" else 1)
         if group is None:
             group = pick_group(self.variant, num_heads, num_kv_heads, per_head, self.num_sms)
         grouped = self.variant.launch_group(num_heads, num_kv_heads)
@@ -270,24 +297,25 @@ class PagedKernels:
             hi = min(num_seqs, lo + self.max_grid_y)
             rows = (out[lo:hi], query[lo:hi], block_tables[lo:hi], seq_lens[lo:hi])
             self._attention_launch(version, *rows, key_cache, value_cache, k_scales, v_scales, num_kv_heads,
-                                   q_stride, max_seq_len, scale, empty, group)
+                                   q_stride, max_seq_len, scale, empty, group, window, softcap)
         return version
 
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
-                          k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group) -> None:
+                          k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group,
+                          window, softcap) -> None:
         v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         common = (
             query, key_cache, value_cache, k_scales, v_scales, np.int32(num_kv_heads), np.float32(scale),
-            block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride,
+            block_tables, seq_lens, np.int32(block_tables.shape[1]), q_stride, np.int32(window), np.float32(softcap),
         )
         block = (NUM_THREADS, 1, 1)
         name = v.attention_name(version, group)
         if version == "v1":
-            smem = v1_shared_mem(max_seq_len, head_size, v.block_size, group)
+            smem = v1_shared_mem(max_seq_len, head_size, v.block_size, group, window)
             self.function(name, smem)((num_heads // group, num_seqs, 1), block, (out,) + common, shared_mem=smem)
             return
-        parts = num_partitions(max_seq_len)
+        parts = num_partitions(max_seq_len, window)
         exp_sums = empty((num_seqs, num_heads, parts), np.float32)
         max_logits = empty((num_seqs, num_heads, parts), np.float32)
         tmp_out = empty((num_seqs, num_heads, parts, head_size), np.float32)
@@ -298,7 +326,7 @@ class PagedKernels:
         rsmem = reduce_shared_mem(parts)
         self.function(v.reduce_name, rsmem)(
             (num_heads, num_seqs, 1), block,
-            (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts)), shared_mem=rsmem,
+            (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts), np.int32(window)), shared_mem=rsmem,
         )
 
     def _check_cache(self, key_cache, value_cache, k_scales, v_scales) -> None:

@@ -125,10 +125,14 @@ def scale_tensors(variant: K.KernelVariant, key_cache: torch.Tensor, k_scale, v_
 def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value, key_cache, value_cache,
             meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None,
             k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-            cache_views: tuple[Any, Any] | None = None) -> tuple[torch.Tensor, str]:
+            cache_views: tuple[Any, Any] | None = None, *, window: int = 0,
+            softcap: float = 0.0) -> tuple[torch.Tensor, str]:
     """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
     prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors.
-    cache_views: the caches already wrapped (a backend may keep them: they live as long as it)."""
+    cache_views: the caches already wrapped (a backend may keep them: they live as long as it).
+    window / softcap: the layer's sliding window and logit cap (0: off), the backend contract's.
+    Every kernel row is one query at position seq_len - 1 (a decode, or a prefill token's
+    pseudo-sequence), so the kernels' per-row window is the contract's per-query one."""
     kc, vc = cache_views or (wrap(key_cache), wrap(value_cache))
     ks = None if k_scales is None else wrap(k_scales)
     vs = None if v_scales is None else wrap(v_scales)
@@ -144,13 +148,14 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             q = query.index_select(0, step.row_tokens)
             o = torch.empty_like(q)
         version = ker.paged_attention(wrap(o), wrap(q), kc, vc, step.block_tables, step.seq_lens,
-                                      step.max_seq_len, float(scale), alloc=alloc, k_scales=ks, v_scales=vs)
+                                      step.max_seq_len, float(scale), alloc=alloc, k_scales=ks, v_scales=vs,
+                                      window=window, softcap=softcap)
         if step.row_tokens is not None:
             out.index_copy_(0, step.row_tokens, o)
     if step.prefills:
         assert not ker.variant.quantized, "quantized caches take the kernel prefill path (prefill_mode)"
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
-                        meta.block_size, scale)
+                        meta.block_size, scale, window=window, softcap=softcap)
     return out, version
 
 

@@ -8,7 +8,9 @@ next to an unmutated control copy that must pass the same checks.
 A mutant counts as caught when, on either schedule we run it under, the output is wrong
 (non-finite or beyond the dtype's tolerance vs the float64 reference) or the launch raises an
 emulator error (EmuDeadlockError for divergent collectives). `caught_by` records, per schedule,
-what each one is expected to trip, so a weakened check shows up as a failing test.
+what each one is expected to trip, so a weakened check shows up as a failing test. Mutants of the
+sliding window and soft-capping run on windowed cases whose keys below each window are NaN (an
+off-by-one that reads one key too many reads a NaN).
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from pagedrun.attention.cuda import kernels as K  # noqa: E402
 VARIANT = K.KernelVariant("float16", 64, 16, "auto", 2)
 V1_SEQ_LENS = [1, 16, 35, 47, 20]  # 1, an exact block multiple, partial last blocks
 V2_SEQ_LENS = [1, 513, 1200, 700]  # several 512-token partitions
+# Under a window of 20 keys (block 16): W - 1, W, W + 1 keys, the window's first key on a block
+# boundary (36: key 16) and one either side; under 600: the first key inside, on (1624: key 1024) and
+# below a partition boundary, so v2 launches 3 of the sequence's 4 partitions.
+WINDOW_V1_SEQ_LENS = [19, 20, 21, 35, 36, 37, 1, 70]
+WINDOW_V2_SEQ_LENS = [1537, 1624, 1200, 601, 3]
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class Mutation:
     count: int  # occurrences of `old` in the source (all are replaced)
     version: str  # "v1" or "v2": the launch that exercises it
     caught_by: tuple[tuple[str, str], ...]  # (schedule, "wrong" | "deadlock" | "missed")
+    window: int = 0  # the launch's sliding window (its case: WINDOW_*_SEQ_LENS, placeholders NaN)
+    softcap: float = 0.0
 
 
 MUTATIONS = [
@@ -51,8 +60,8 @@ MUTATIONS = [
     Mutation(
         "missing_barrier_before_pv",
         "no __syncthreads between normalising the logits and the PV loop reading other threads' logits",
-        "logits[g * logits_stride + i] *= inv_sum;\n  }\n  __syncthreads();\n",
-        "logits[g * logits_stride + i] *= inv_sum;\n  }\n",
+        "logits[g * logits_stride + i] *= inv_sum;\n    }\n  }\n  __syncthreads();\n",
+        "logits[g * logits_stride + i] *= inv_sum;\n    }\n  }\n",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(
@@ -100,8 +109,8 @@ MUTATIONS = [
     Mutation(
         "v_read_past_end",
         "off-by-one in the last block: PV reads the value row one past seq_len (0 * NaN)",
-        "const bool valid = t < BLOCK_SIZE && token_idx < seq_len;",
-        "const bool valid = t < BLOCK_SIZE && token_idx <= seq_len;",
+        "const bool valid = t < BLOCK_SIZE && (unsigned)(token_idx - first_key) < (unsigned)(seq_len - first_key);",
+        "const bool valid = t < BLOCK_SIZE && (unsigned)(token_idx - first_key) <= (unsigned)(seq_len - first_key);",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")),
     ),
     Mutation(
@@ -117,6 +126,41 @@ MUTATIONS = [
         "const float w = exp_sums_ptr[i] * pagedrun::fast_exp(shared_max_logits[i] - max_logit);",
         "const float w = exp_sums_ptr[i];",
         1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")),
+    ),
+    Mutation(
+        "window_one_key_short",
+        "off-by-one in the window: the query sees W - 1 keys (the window's first key dropped)",
+        "return window > 0 && seq_len > window ? seq_len - window : 0;",
+        "return window > 0 && seq_len > window ? seq_len - window + 1 : 0;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")), window=20,
+    ),
+    Mutation(
+        "window_one_key_long",
+        "off-by-one in the window: the query sees W + 1 keys (one below the window, NaN in a placeholder)",
+        "return window > 0 && seq_len > window ? seq_len - window : 0;",
+        "return window > 0 && seq_len > window ? seq_len - window - 1 : 0;",
+        1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")), window=600,
+    ),
+    Mutation(
+        "window_mask_dropped_in_pv",
+        "the first block's values below the window are summed (weight 0, but 0 * NaN)",
+        "const bool valid = t < BLOCK_SIZE && (unsigned)(token_idx - first_key) < (unsigned)(seq_len - first_key);",
+        "const bool valid = t < BLOCK_SIZE && token_idx < seq_len;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")), window=20,
+    ),
+    Mutation(
+        "window_partitions_from_zero",
+        "v2's grid partitions counted from position 0, not from the window's first: the window's end is missed",
+        "(first_key / pr_max(PARTITION_SIZE, 1) + partition_idx) * BLOCKS_PER_PARTITION",
+        "partition_idx * BLOCKS_PER_PARTITION",
+        1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")), window=600,
+    ),
+    Mutation(
+        "softcap_ignored",
+        "logit soft-capping never applied",
+        "return cap > 0.f ? cap * tanhf(logit / cap) : logit;",
+        "return logit;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")), window=20, softcap=2.0,
     ),
 ]
 CONTROL = Mutation("control", "unmutated source", "", "", 0, "v1", ())
@@ -177,14 +221,18 @@ def outcome(m: Mutation, schedule: str, version: str) -> str:
     from pagedrun.build.cudaemu import EmuDeadlockError, EmuError
 
     ker = K.PagedKernels(VARIANT, _Prefixed(mutant_module(schedule), m.id), np)
-    case = T.make_case(VARIANT, V1_SEQ_LENS if version == "v1" else V2_SEQ_LENS, 4, 2, seed=21)
+    if m.window:
+        lens = WINDOW_V1_SEQ_LENS if version == "v1" else WINDOW_V2_SEQ_LENS
+        case = T.poison_below_window(T.make_case(VARIANT, lens, 4, 2, seed=22), m.window)
+    else:
+        case = T.make_case(VARIANT, V1_SEQ_LENS if version == "v1" else V2_SEQ_LENS, 4, 2, seed=21)
     try:
-        out, _ = T.run_case(ker, case, version)
+        out, _ = T.run_case(ker, case, version, m.window, m.softcap)
     except EmuDeadlockError:
         return "deadlock"
     except EmuError:
         return "error"
-    ok = np.isfinite(out).all() and T.rel_err(out, case.reference()) <= T.TOL[VARIANT.dtype]
+    ok = np.isfinite(out).all() and T.rel_err(out, case.reference(m.window, m.softcap)) <= T.TOL[VARIANT.dtype]
     return "ok" if ok else "wrong"
 
 
@@ -199,6 +247,14 @@ def emulator():
 @pytest.mark.slow
 def test_control_passes(emulator, schedule, version):
     assert outcome(CONTROL, schedule, version) == "ok"
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_control_passes_the_window_cases(emulator, version):
+    """The unmutated kernels pass every window / softcap case a mutant below is run on."""
+    for window, softcap in dict.fromkeys((m.window, m.softcap) for m in MUTATIONS if m.window and m.version == version):
+        control = Mutation("control", "", "", "", 0, version, (), window, softcap)
+        assert outcome(control, "round_robin", version) == "ok", (window, softcap)
 
 
 @pytest.mark.parametrize("m", MUTATIONS, ids=[m.id for m in MUTATIONS])

@@ -7,6 +7,9 @@ dtype's variants share one module, built for all three dtypes in parallel):
 - ragged seq_lens with 1, exact multiples of the block size and partial last blocks, shuffled block
   tables, every unused cache slot poisoned with NaN (a read past the end shows up as NaN);
 - round_robin and greedy schedules give bit-identical outputs (no races on shared memory);
+- sliding window and soft-capping: windows at W - 1, W, W + 1 keys and on block and partition
+  boundaries, v1 and v2 (whose grid skips the partitions below a window), NaN placeholder blocks
+  below every window, the window-aware v1/v2 choice and sizes, the emulated backend's forward;
 - reshape_and_cache (negative slots skipped);
 - the emulated backend on mixed prefill (+cached prefix) / decode metadata, and the registry.
 
@@ -102,8 +105,9 @@ class Case:
     def empty_out(self, xp=np):
         return xp.empty(self.query.shape, dtype=self.query.dtype)
 
-    def reference(self) -> np.ndarray:
-        """float64 attention of each query over its first seq_len cached tokens."""
+    def reference(self, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+        """float64 attention of each query over its first seq_len cached tokens: the last `window`
+        of them when window > 0, logits capped at softcap * tanh(logit / softcap) when softcap > 0."""
         d = self.variant.dtype
         q, kc, vc = to_f64(self.query, d), to_f64(self.key_cache, d), to_f64(self.value_cache, d)
         bs, D = self.variant.block_size, self.variant.head_size
@@ -113,13 +117,40 @@ class Case:
             if L == 0:
                 continue
             blocks = self.block_tables[s, : -(-L // bs)]
-            k = kc[blocks].reshape(-1, self.num_kv_heads, D)[:L]
-            v = vc[blocks].reshape(-1, self.num_kv_heads, D)[:L]
+            first = first_key(L, window)
+            k = kc[blocks].reshape(-1, self.num_kv_heads, D)[first:L]
+            v = vc[blocks].reshape(-1, self.num_kv_heads, D)[first:L]
             for h in range(self.num_heads):
                 logits = k[:, h // group] @ q[s, h] * self.scale
+                if softcap > 0:
+                    logits = softcap * np.tanh(logits / softcap)
                 p = np.exp(logits - logits.max())
                 out[s, h] = (p / p.sum()) @ v[:, h // group]
         return out
+
+
+def first_key(seq_len: int, window: int) -> int:
+    """The first key position the query of a sequence of seq_len tokens sees (the backend contract)."""
+    return max(0, seq_len - window) if window > 0 else 0
+
+
+def poison_below_window(case: Case, window: int) -> Case:
+    """What the hybrid KV manager leaves a sliding layer: every block wholly below a sequence's window
+    is a placeholder (here: the NaN block that pads the tables), and the first block's keys below the
+    window are NaN as well, so any read of a key outside the window poisons the output."""
+    bs = case.variant.block_size
+    poison = int(case.block_tables[0, -1])  # the padding column: always the all-NaN block
+    flat_k = case.key_cache.reshape(-1, *case.key_cache.shape[2:])
+    flat_v = case.value_cache.reshape(-1, *case.value_cache.shape[2:])
+    assert np.shares_memory(flat_k, case.key_cache) and np.shares_memory(flat_v, case.value_cache)
+    nan = to_device_dtype(np.full(flat_k.shape[1:], np.nan), case.variant.dtype)
+    for s, L in enumerate(case.seq_lens):
+        first = first_key(L, window)
+        case.block_tables[s, : first // bs] = poison
+        for t in range(first // bs * bs, first):
+            slot = int(case.block_tables[s, t // bs]) * bs + t % bs
+            flat_k[slot], flat_v[slot] = nan, nan
+    return case
 
 
 def make_case(
@@ -154,11 +185,12 @@ def make_case(
     )
 
 
-def run_case(ker: K.PagedKernels, case: Case, version: str | None) -> tuple[np.ndarray, str]:
+def run_case(ker: K.PagedKernels, case: Case, version: str | None, window: int = 0,
+             softcap: float = 0.0) -> tuple[np.ndarray, str]:
     out = case.empty_out()
     used = ker.paged_attention(
         out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens_arr,
-        case.max_seq_len, case.scale, version=version,
+        case.max_seq_len, case.scale, version=version, window=window, softcap=softcap,
     )
     return to_f64(out, case.variant.dtype), used
 
@@ -307,6 +339,133 @@ def test_v1_v2_rule():
     assert not K.use_v1(4096)  # vLLM's rule took v1 here with 64 x 32 blocks: 1.65x slower on the H200
     assert not K.use_v1(8193)
     assert K.num_partitions(1) == 1 and K.num_partitions(512) == 1 and K.num_partitions(1537) == 4
+
+
+# ------------------------------------------------------------------ sliding window and soft-capping
+
+
+def launches(ker: K.PagedKernels) -> list[tuple[str, tuple, int]]:
+    """Record every launch of ker (name, grid, dynamic shared memory) and still run it."""
+    seen = []
+    real = ker.function
+
+    def spy(name, smem=0):
+        fn = real(name, smem)
+        return lambda grid, block, args, shared_mem=0: seen.append((name, grid, shared_mem)) or fn(
+            grid, block, args, shared_mem=shared_mem)
+
+    ker.function = spy
+    return seen
+
+
+def window_lens(window: int, bs: int) -> list[int]:
+    """Lengths around a window of W keys: W - 1, W, W + 1 (all of the sequence, then one key dropped),
+    the window's first key on a block boundary and one key either side of it, and a single token."""
+    aligned = -(-window // bs) * bs + window  # first key = ceil(W / bs) * bs: the first block starts the window
+    return [window - 1, window, window + 1, aligned - 1, aligned, aligned + 1, 1, window + 3 * bs + 5]
+
+
+# (window, softcap) per dtype's first v2 variant: a window that is not a block multiple, one that is,
+# a window of one key (the query itself), and each with the cap on.
+WINDOW_CASES = [(20, 0.0), (32, 0.0), (1, 0.0), (20, 4.0), (48, 2.5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES, ids=[f"w{w}-cap{c:g}" for w, c in WINDOW_CASES])
+def test_window_and_softcap_v1_v2(emu, dtype, window, softcap):
+    """v1 and v2 (one partition here) over windows at W - 1, W, W + 1 keys and at block boundaries,
+    with NaN placeholder blocks below each window: equal to the windowed float64 reference."""
+    variant = v2_variants(dtype)[0]
+    bs = variant.block_size
+    case = poison_below_window(make_case(variant, window_lens(window, bs), 4, 2, seed=window + bs), window)
+    ref = case.reference(window, softcap)
+    for version in ("v1", "v2"):
+        out, used = run_case(emu(dtype)[variant], case, version, window, softcap)
+        assert used == version
+        assert_close(out, ref, dtype, f"{variant} {version} window {window} softcap {softcap}")
+
+
+def test_softcap_changes_the_output(emu):
+    """The cap is applied (a kernel ignoring it would pass a loose check on small logits): with q scaled
+    up the logits reach past the cap, and the capped output differs from the uncapped reference."""
+    variant = v2_variants("float32")[1]
+    case = make_case(variant, [40, 9, 70], 2, 1, seed=5)
+    case.query *= 4
+    out, _ = run_case(emu("float32")[variant], case, "v1", 0, 3.0)
+    assert_close(out, case.reference(0, 3.0), "float32", "softcap 3")
+    assert rel_err(out, case.reference()) > 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_v2_launches_only_the_partitions_of_the_window(emu, dtype):
+    """Long sequences under a window of 600 or 1,024 keys: v2's grid covers the window (3 partitions, the
+    most either can touch, instead of 4), the window's first key falls inside a partition, on a partition
+    boundary (1024) and below it, placeholders are NaN; v2 and v1 (whose shared memory shrinks to the
+    window) both match."""
+    variant = v2_variants(dtype)[1]
+    ker = emu(dtype)[variant]
+    for window, lens in ((600, [1537, 1624, 1200, 599, 601, 3]), (1024, [1537, 2048, 1025, 700])):
+        case = poison_below_window(make_case(variant, lens, 2, 1, seed=window), window)
+        ref = case.reference(window)
+        seen = launches(ker)
+        try:
+            out2, used = run_case(ker, case, None, window)
+            out1, _ = run_case(ker, case, "v1", window)
+        finally:
+            del ker.function  # the class's again (ker is shared by the module's tests)
+        assert used == "v2"
+        parts = K.num_partitions(case.max_seq_len, window)
+        assert parts == 3 < K.num_partitions(case.max_seq_len) == 4
+        assert seen[0][1][2] == parts and seen[1][0] == variant.reduce_name
+        assert seen[2][2] == K.v1_shared_mem(case.max_seq_len, variant.head_size, variant.block_size, 1, window)
+        assert_close(out2, ref, dtype, f"v2 {variant} window {window}")
+        assert_close(out1, ref, dtype, f"v1 {variant} window {window}")
+
+
+def test_window_picks_v1_when_the_window_fits_one_partition(emu):
+    variant = v2_variants("float16")[0]
+    case = poison_below_window(make_case(variant, [1500, 700, 3], 2, 1, seed=2), 300)
+    out, used = run_case(emu("float16")[variant], case, None, 300, 2.0)
+    assert used == "v1"  # 1,500 tokens, but no query sees more than 300 of them
+    assert_close(out, case.reference(300, 2.0), "float16", "v1 under a window")
+
+
+def test_window_sizes_and_rule():
+    assert K.key_span(4096, 0) == 4096 and K.key_span(4096, 1024) == 1024 and K.key_span(100, 1024) == 100
+    assert K.use_v1(4096, 512) and not K.use_v1(4096, 513) and K.use_v1(300, 4096)
+    # the window's keys [L - W, L) touch at most 1 + ceil((W - 1) / 512) partitions
+    assert K.num_partitions(4096, 1) == 1 and K.num_partitions(4096, 512) == 2 and K.num_partitions(4096, 513) == 2
+    assert K.num_partitions(4096, 1025) == 3 and K.num_partitions(4096, 600) == 3 and K.num_partitions(4096) == 8
+    assert K.num_partitions(600, 4096) == 2
+    # and at most 1 + ceil((W - 1) / block_size) cache blocks: v1's logits
+    assert K.v1_shared_mem(8192, 64, 16, 1, 100) == 4 * max(8 * 16, 4 * 64)
+    assert K.v1_shared_mem(8192, 64, 16, 2, 4096) == 2 * 4 * 257 * 16
+    assert K.v1_shared_mem(40, 64, 16, 1, 4096) == K.v1_shared_mem(40, 64, 16)
+    for L in range(1, 200):  # the bounds hold for every length (brute force over the window's blocks)
+        for w in (1, 7, 16, 17, 33):
+            first = first_key(L, w)
+            assert -(-L // 16) - first // 16 <= K.spanned_units(200, w, 16)
+
+
+def test_window_past_every_sequence_is_full_attention(emu):
+    """A window no sequence reaches (even one past int32) launches as no window: the same bits."""
+    variant = v2_variants("bfloat16")[1]
+    case = make_case(variant, [40, 9, 700], 2, 1, seed=8)
+    ker = emu("bfloat16")[variant]
+    full, _ = run_case(ker, case, "v2")
+    for window in (700, 2**40):
+        np.testing.assert_array_equal(run_case(ker, case, "v2", window)[0], full)
+
+
+def test_window_and_softcap_argument_checks(emu):
+    variant = v2_variants("float32")[1]
+    case = make_case(variant, [40, 9], 2, 2)
+    ker = emu("float32")[variant]
+    for kw, match in (({"window": -1}, "window -1"), ({"softcap": -1.0}, "softcap"),
+                      ({"softcap": float("nan")}, "softcap")):
+        with pytest.raises(ValueError, match=match):
+            ker.paged_attention(case.empty_out(), case.query, case.key_cache, case.value_cache,
+                                case.block_tables, case.seq_lens_arr, 40, case.scale, **kw)
 
 
 # ------------------------------------------------------------------ schedules
@@ -462,7 +621,8 @@ def build_step(spec: StepSpec, dtype: torch.dtype, head_size: int, block_size: i
     return query, key, value, key_cache, value_cache, meta, full_k, full_v
 
 
-def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads) -> torch.Tensor:
+def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     out = torch.zeros(query.shape, dtype=torch.float64)
     q64 = query.double()
     group = num_heads // num_kv_heads
@@ -471,10 +631,34 @@ def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads
         c = int(meta.context_lens[i])
         for j in range(qlen):
             L = c + j + 1
+            first = first_key(L, window)
             for h in range(num_heads):
-                logits = full_k[i][:L, h // group] @ q64[starts[i] + j, h] * scale
-                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][:L, h // group]
+                logits = full_k[i][first:L, h // group] @ q64[starts[i] + j, h] * scale
+                if softcap > 0:
+                    logits = softcap * torch.tanh(logits / softcap)
+                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][first:L, h // group]
     return out
+
+
+def placeholders_below_window(meta, key_cache, value_cache, window: int) -> int:
+    """The hybrid KV manager's sliding-layer tables: every block wholly below the window of a
+    sequence's first query in the step points at a spare (all-NaN) block, and the slots below that
+    window hold NaN. Returns how many table entries became placeholders."""
+    bs = meta.block_size
+    tables = meta.block_tables
+    used = set(tables.flatten().tolist())
+    spare = next(b for b in range(key_cache.shape[0]) if b not in used)
+    assert torch.isnan(key_cache[spare].float()).all()
+    flat_k, flat_v = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
+    count = 0
+    for i, c in enumerate(meta.context_lens.tolist()):
+        first = first_key(int(c) + 1, window)  # the first query sits at position context_len
+        for t in range(first):
+            flat_k[int(tables[i, t // bs]) * bs + t % bs] = float("nan")
+            flat_v[int(tables[i, t // bs]) * bs + t % bs] = float("nan")
+        tables[i, : first // bs] = spare
+        count += first // bs
+    return count
 
 
 BACKEND_CASES = [
@@ -503,6 +687,52 @@ def test_emulated_backend_mixed_step(emu, case):
     # every new token's K/V landed in its slot (the cache was written in place)
     flat_k = kc.view(-1, KVH, D)
     assert torch.equal(flat_k[meta.slot_mapping[: sum(spec.query_lens)]], key[: sum(spec.query_lens)])
+
+
+WINDOW_BACKEND_CASES = [
+    # (dtype, head_size, block_size, heads, kv_heads, spec, window, softcap)
+    ("float32", 64, 32, 4, 2, StepSpec([0, 40, 70, 0], [50, 3, 1, 1]), 37, 0.0),  # prefill past the window
+    ("float16", 64, 16, 9, 3, StepSpec([16, 0, 33, 90], [4, 6, 1, 1]), 20, 5.0),  # SmolLM2's heads, capped
+    ("bfloat16", 96, 16, 2, 1, StepSpec([100, 5, 64], [1, 1, 1]), 33, 0.0),  # decode only: the direct path
+]
+
+
+@pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
+@pytest.mark.parametrize("case", WINDOW_BACKEND_CASES,
+                         ids=[f"{c[0]}-w{c[6]}-cap{c[7]:g}" for c in WINDOW_BACKEND_CASES])
+def test_emulated_backend_window_and_softcap(emu, case, prefill):
+    """forward(window=, softcap=) on mixed steps: prefill tokens as pseudo-sequences (each its own window)
+    or through attend_prefills (the GPU path's SDPA), decodes through the kernels; the blocks below
+    each sequence's window are NaN placeholders, as the hybrid KV manager leaves them."""
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
+
+    dtype_name, D, bs, H, KVH, spec, window, softcap = case
+    dtype = getattr(torch, dtype_name)
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v], prefill=prefill)
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, dtype, D, bs, H, KVH, seed=window)
+    assert placeholders_below_window(meta, kc, vc, window) > 0
+    scale = D**-0.5
+    out = backend.forward(query, key, value, kc, vc, meta, scale, window=window, softcap=softcap)
+    ref = causal_reference(query, meta, fk, fv, scale, H, KVH, window, softcap)
+    assert_close(out.double().numpy(), ref.numpy(), dtype_name, f"backend {prefill}")
+    assert (out[sum(spec.query_lens):] == 0).all(), "padding rows must stay zero"
+    if softcap:  # the cap reached the output: it differs from the uncapped reference
+        uncapped = causal_reference(query, meta, fk, fv, scale, H, KVH, window)
+        assert rel_err(out.double().numpy(), uncapped.numpy()) > 1e-3
+
+
+def test_emulated_backend_window_long_prefix_uses_v2(emu):
+    """A window of 600 over a 1,200-token prefix: v2 (its keys need two partitions), NaN placeholders."""
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
+
+    backend = EmulatedAttentionBackend(kernels=lambda v: emu(v.dtype)[v])
+    spec = StepSpec([1200, 3], [2, 1])
+    query, key, value, kc, vc, meta, fk, fv = build_step(spec, torch.float16, 64, 16, 4, 2, seed=10)
+    assert placeholders_below_window(meta, kc, vc, 600) == 37  # 601 // 16: seq 0's first key is 601
+    out = backend.forward(query, key, value, kc, vc, meta, 0.125, window=600)
+    assert backend.last_version == "v2"
+    ref = causal_reference(query, meta, fk, fv, 0.125, 4, 2, 600)
+    assert_close(out.double().numpy(), ref.numpy(), "float16", "backend v2 window")
 
 
 def test_emulated_backend_long_prefix_uses_v2(emu):

@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 import pytest
-from test_kernels import TOL, emulator_or_skip, make_case, run_case
+from test_kernels import TOL, emulator_or_skip, make_case, poison_below_window, run_case
 
 from pagedrun.attention.cuda import kernels as K
 
@@ -175,3 +175,26 @@ def test_loads_in_flight_settings_change_no_bits(emu, defines):
                                     c.max_seq_len, c.scale, version=version, group=group)
                 outs.append(out)
             np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{defines} {version} group {group}")
+
+
+# (case index, window, softcap): SmolLM2's 9 / 3 heads and Llama 3's 8 / 2 under windows that start
+# mid-block and on a partition boundary, capped and not.
+WINDOW_CASES = [(1, 100, 0.0), (1, 600, 30.0), (0, 1024, 0.0), (5, 33, 5.0)]
+
+
+@pytest.mark.parametrize("i,window,softcap", WINDOW_CASES, ids=[f"case{i}-w{w}-cap{c:g}" for i, w, c in WINDOW_CASES])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_grouped_window_and_softcap_equal_reference_and_the_one_head_kernel(emu, i, window, softcap, version):
+    """A grouped block's window and cap are its query heads' (one sequence, one KV head): the windowed
+    reference, bit for bit the one-head kernel, NaN placeholders below each window never read."""
+    dtype, head, block, heads, kv = CASES[i]
+    v = variant(*CASES[i])
+    c = poison_below_window(make_case(v, [1, 17, window + 1, 1100, 2048 if window == 1024 else 700], heads, kv,
+                                      seed=window), window)
+    grouped, used = run_case(emu(v), c, version, window, softcap)
+    assert used == version
+    ref = c.reference(window, softcap)
+    err = np.max(np.abs(grouped - ref)) / np.max(np.abs(ref))
+    assert np.isfinite(grouped).all() and err <= TOL[dtype], f"{v} {version} window {window}: {err:.2e}"
+    one_head, _ = run_case(emu(K.KernelVariant(dtype, head, block)), c, version, window, softcap)
+    np.testing.assert_array_equal(grouped, one_head)

@@ -68,6 +68,8 @@ class QCase:
     v: np.ndarray  # quantized caches
     k_scales: np.ndarray
     v_scales: np.ndarray
+    window: int = 0  # the launch's sliding window and logit cap (0: off), the references' too
+    softcap: float = 0.0
 
     def dequantized_reference(self) -> np.ndarray:
         c = self.case
@@ -75,24 +77,33 @@ class QCase:
         return dataclasses.replace(
             c, variant=f32, query=T.to_f64(c.query, c.variant.dtype),
             key_cache=dequantize(self.k, self.kv, self.k_scales), value_cache=dequantize(self.v, self.kv, self.v_scales),
-        ).reference()
+        ).reference(self.window, self.softcap)
+
+    def reference(self) -> np.ndarray:
+        """The float64 attention over the unquantized K/V."""
+        return self.case.reference(self.window, self.softcap)
 
     def run(self, ker: K.PagedKernels, version: str | None, group: int | None = None) -> tuple[np.ndarray, str]:
         c = self.case
         out = c.empty_out()
         used = ker.paged_attention(out, c.query, self.k, self.v, c.block_tables, c.seq_lens_arr, c.max_seq_len,
                                    c.scale, version=version, k_scales=self.k_scales, v_scales=self.v_scales,
-                                   group=group)
+                                   group=group, window=self.window, softcap=self.softcap)
         return T.to_f64(out, c.variant.dtype), used
 
 
-def make_qcase(variant: K.KernelVariant, seq_lens: list[int], num_heads: int, num_kv_heads: int, seed: int) -> QCase:
+def make_qcase(variant: K.KernelVariant, seq_lens: list[int], num_heads: int, num_kv_heads: int, seed: int,
+               window: int = 0, softcap: float = 0.0) -> QCase:
+    """window > 0: the keys below each window are NaN before quantizing (fp8: the NaN code; int8: a NaN
+    row scale) and the blocks wholly below it NaN placeholders (test_kernels.poison_below_window)."""
     base = dataclasses.replace(variant, kv_dtype="auto")
     case = T.make_case(base, seq_lens, num_heads, num_kv_heads, seed=seed)
+    if window:
+        T.poison_below_window(case, window)
     d = variant.dtype
     k, ks = quantize(T.to_f64(case.key_cache, d), variant.kv_dtype, FP8_SCALE[0])
     v, vs = quantize(T.to_f64(case.value_cache, d), variant.kv_dtype, FP8_SCALE[1])
-    return QCase(dataclasses.replace(case, variant=variant), variant.kv_dtype, k, v, ks, vs)
+    return QCase(dataclasses.replace(case, variant=variant), variant.kv_dtype, k, v, ks, vs, window, softcap)
 
 
 # ------------------------------------------------------------------ one emulator module per KV dtype
@@ -135,7 +146,7 @@ def check(qc: QCase, out: np.ndarray, what: str) -> float:
     """Against both references; returns the quantization error (relative to the unquantized one)."""
     d = qc.case.variant.dtype
     T.assert_close(out, qc.dequantized_reference(), d, f"{what} vs dequantized")
-    err = T.rel_err(out, qc.case.reference())
+    err = T.rel_err(out, qc.reference())
     assert err <= QUANT_TOL[qc.kv], f"{what}: quantization error {err:.3g} > {QUANT_TOL[qc.kv]}"
     assert err > 0, f"{what}: no quantization error at all: is the cache really quantized?"
     return err
@@ -182,6 +193,22 @@ def test_v2_several_partitions_and_schedules(emu, kv):
         assert np.array_equal(out2, out_g), f"{variant}: schedules disagree"
 
 
+@pytest.mark.parametrize("kv", KV)
+def test_window_and_softcap(emu, kv):
+    """A 1-byte cache under a window (W - 1, W, W + 1 keys, first key on a block boundary, and long
+    sequences whose v2 grid skips the partitions below the window), capped and not: both references,
+    NaN codes / scales below every window never read."""
+    for j, variant in enumerate(v2_variants(kv)):
+        bs = variant.block_size
+        window, softcap = (600, 0.0) if j == 0 else (2 * bs + 3, 3.0 * j)
+        lens = [window - 1, window, window + 1, 2 * bs + window, 1, 1100 if j == 0 else window + 5 * bs]
+        qc = make_qcase(variant, lens, 4, 2, seed=300 + j, window=window, softcap=softcap)
+        for version in ("v1", "v2"):
+            out, used = qc.run(emu(kv)[variant], version)
+            assert used == version
+            check(qc, out, f"{version} {variant} window {window} softcap {softcap}")
+
+
 # (dtype, head, block, heads, kv heads, group): the grouped kernels of a quantized cache
 GROUPED = [("bfloat16", 128, 16, 8, 2, 4), ("float16", 64, 32, 9, 3, 3), ("float32", 96, 8, 4, 2, 2)]
 
@@ -215,6 +242,12 @@ def test_grouped_quantized_kernels_equal_one_head_bit_for_bit(emu, kv):
             assert used == version
             check(qc, grouped, f"{version} {v}")
             np.testing.assert_array_equal(grouped, qc.run(ker, version, 1)[0], err_msg=f"{version} {v}")
+        # under a window and a cap: the same bits again, NaN below the window never read
+        wq = make_qcase(v, [1, 40, 700, 1100], heads, kv_heads, seed=210 + j, window=600, softcap=20.0)
+        for version in ("v1", "v2"):
+            grouped, _ = wq.run(ker, version, v.group)
+            check(wq, grouped, f"{version} {v} window 600")
+            np.testing.assert_array_equal(grouped, wq.run(ker, version, 1)[0], err_msg=f"{version} {v} window")
     with pytest.raises(ValueError, match="group"):
         K.KernelVariant("float16", 64, 16, kv, K.MAX_QUANTIZED_GROUP + 1)
 
