@@ -146,7 +146,7 @@ class OutputWriter:
                 "pass --overwrite to start afresh, or choose another -o"
             )
         try:
-            f = self.path.open("rb")
+            f = self._read_locked()
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot read: {e.strerror}") from None
         with f:
@@ -171,6 +171,14 @@ class OutputWriter:
                 self._remember(key, rec, start, len(raw))
         self._needs_rewrite = self._needs_rewrite or self.discarded > 0
 
+    def _read_locked(self):
+        """The locked output for reading (the file checked, not whatever the path names by now)."""
+        if self._lock.fd is None:  # no flock on this platform
+            return self.path.open("rb")
+        f = os.fdopen(os.dup(self._lock.fd), "rb")
+        f.seek(0)
+        return f
+
     def _remember(self, key: Key, record: dict, offset: int, length: int) -> None:
         self.done[key] = offset << 32 | length
         if record.get("error") is not None:
@@ -183,12 +191,18 @@ class OutputWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             for p in (self.path, meta_path(self.path), report_path(self.path)):
                 remove_stale_temps(p)  # left by a run killed mid-rename (we hold the lock: no live run's)
-            if self.overwrite:
+            self._lock.check_current()
+            if self.overwrite and self._lock.fd is not None:
+                os.ftruncate(self._lock.fd, 0)  # the locked file itself: removing it would drop the lock
+            elif self.overwrite:
                 self.path.unlink(missing_ok=True)
             elif self._needs_rewrite:
                 self._rewrite(list(self.done))
             self._write_meta()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               0o644)
+            self._lock.kept_open()
+            self._lock.check_current()  # the append fd is the locked file, not one put there meanwhile
             self._size = os.fstat(self._fd).st_size
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
@@ -221,6 +235,7 @@ class OutputWriter:
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
                 self._last_fsync = now
+                self._lock.check_current()  # OUT deleted or replaced by hand: stop, write over nothing
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
         finally:
@@ -261,10 +276,10 @@ class OutputWriter:
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
         tmp = temp_path(self.path)
         tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         done = self.done
         try:
-            with os.fdopen(fd, "wb") as out, self.path.open("rb") as src:
+            with os.fdopen(fd, "wb") as out, self._read_locked() as src:
                 at = 0
 
                 def copy(key: Key, packed: int) -> None:
@@ -287,7 +302,7 @@ class OutputWriter:
                             copy(key, packed)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+                self._lock.replace(tmp, out.fileno())  # the lock moves to the new file with the name
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
