@@ -132,6 +132,8 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
         raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
     # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
     fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
+    if plot is not None:  # by -o's rules, now: a bad --plot costs nothing (io/file_safety.py)
+        check_plot_option(plot, output, (prompts, recipe_path))
     # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
     writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
                           inputs=(prompts, recipe_path), report=recipe.output.report)
@@ -147,7 +149,7 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
                           f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                           style="yellow", highlight=False, soft_wrap=True, markup=False)
         return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
-                    console=console, stop=stop)
+                    console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None))
     finally:
         if executor is not None:
             executor.close()
@@ -156,7 +158,7 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
 
 
 def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
-         stop) -> int:
+         stop, inputs: tuple[Path, ...] = ()) -> int:
     from pagedrun.io.writer import request_key
 
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, stream.tokenizer)
@@ -220,8 +222,13 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
 
         report = executor.report(wall, interrupted)
         report_file = write_report(report, output)
-        if plot is not None:
-            executor.plot(plot)
+        if plot is not None and executor.plots:
+            try:
+                executor.plot(plot, output, inputs)
+            except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
+                console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
+                              markup=False)
+                plot = None
     if not quiet:
         print_summary(console, executor.results, wall, output, executor.summary(console, report), len(stream.invalid))
         if report is not None:
@@ -233,6 +240,17 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
     return job_exit_code(writer, stream.order(done), output, console)
+
+
+def check_plot_option(plot: Path, output: Path, inputs) -> None:
+    """--plot's path (the rules of -o's derived files) and the extra that draws it, before any work."""
+    import importlib.util
+
+    from pagedrun.io.file_safety import check_plot
+
+    check_plot(plot, output, tuple(Path(p) for p in inputs if p is not None))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PagedrunError("--plot needs matplotlib: pip install 'pagedrun[plot]'")
 
 
 def check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):

@@ -88,6 +88,69 @@ def check_derived(path: Path, what: str, out: Path, inputs: Iterable[Path],
         raise PagedrunError(f"{path}: the {what} of -o {out} exists and was not written by pagedrun; {tail}")
 
 
+def check_plot(plot: Path, out: Path, inputs: Iterable[Path]) -> None:
+    """Refuse a --plot path before the run, by the rules of -o's derived files: a regular file or a new
+    path (never a link, directory, device), never an input of the run, OUT or a file beside it that
+    the run writes, an existing file only if it is a PNG (one pagedrun drew), in a directory that
+    exists or can be made. Checked again when it is written (write_plot), through temp + rename."""
+    ours = [meta_path(out), report_path(out), lock_path(out), out]
+    inputs = tuple(inputs)
+    for p in ours:
+        if _spelled_same(plot, p):
+            raise PagedrunError(f"{plot}: --plot is the {_derived_name(out, p)} of -o {out}; choose another --plot")
+    for p in inputs:  # by name too: "sub/../req.png" names req.png once sub/ is made
+        if _spelled_same(plot, p):
+            raise PagedrunError(f"{plot}: --plot would replace {p}, a file of this run; choose another --plot")
+    st = _lstat(plot)
+    if st is None:
+        _check_parent(plot)
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise PagedrunError(f"{plot}: --plot exists and is not a regular file (a link, directory or device); "
+                            "choose another --plot")
+    for p in (*inputs, *ours):
+        if _same(st, p):
+            raise PagedrunError(f"{plot}: --plot would replace {p}, a file of this run; choose another --plot")
+    if not is_png(plot):
+        raise PagedrunError(f"{plot}: --plot exists and is not a PNG; move it away or choose another --plot")
+
+
+def is_png(path: Path) -> bool:
+    try:
+        with open(path, "rb", opener=_nofollow) as f:
+            head = f.read(8)
+    except OSError:
+        return False
+    return head in (b"", b"\x89PNG\r\n\x1a\n")  # empty: a draw that died before its first byte
+
+
+def _nofollow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _spelled_same(a: Path, b: Path) -> bool:
+    """The same path once the directories are resolved (the files need not exist)."""
+    try:
+        return a.parent.resolve() / a.name == b.parent.resolve() / b.name
+    except OSError:
+        return False
+
+
+def _derived_name(out: Path, p: Path) -> str:
+    return {meta_path(out): "meta file", report_path(out): "report", lock_path(out): "lock file"}.get(p, "output")
+
+
+def _check_parent(path: Path) -> None:
+    """The nearest existing directory above `path` must be one, and writable (the rest is made)."""
+    parent = path.parent
+    while _lstat(parent) is None and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PagedrunError(f"{path}: cannot be written: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PagedrunError(f"{path}: cannot be written: no permission to write in {parent}")
+
+
 def is_meta(path: Path) -> bool:
     data = _small_json(path, 1 << 20)
     return isinstance(data, dict) and "version" in data and isinstance(data.get("fingerprint"), dict)
