@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import socket
+import stat
 import time
 import weakref
 from collections.abc import Callable, Iterable
