@@ -15,9 +15,10 @@ On a re-run every complete line that parses is kept and its request skipped. Wha
 behind (a torn last line without its newline, a line that does not parse, a second line for the
 same request) is dropped, the file is rewritten without it, and those requests are redone.
 
-The writer holds no records, only where each one is in the file ((offset, length) packed in one int)
-and which failed: the final rewrite copies lines in input order from there, so a run of any size
-needs memory for its keys, not its outputs. The previous run's file is read line by line.
+The writer holds no records, only where each one is in the file and which input line it answers
+((input line, offset, length) packed in one int) and which failed: the final rewrite copies lines in
+the input's order from there (sorted by input line, never by reading the inputs again), so a run of
+any size needs memory for its keys, not its outputs. The previous run's file is read line by line.
 
 Records are keyed, not just by id: a request that ran is keyed by its id (unique among the requests
 that run), an error record for an input line that could not run by its line number, which it
@@ -91,7 +92,7 @@ class OutputWriter:
         self.fingerprint = dict(fingerprint)
         self.overwrite = overwrite
         self.fsync_interval_s = fsync_interval_s
-        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: offset << 32 | length
+        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
         self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
         self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
@@ -179,8 +180,8 @@ class OutputWriter:
         f.seek(0)
         return f
 
-    def _remember(self, key: Key, record: dict, offset: int, length: int) -> None:
-        self.done[key] = offset << 32 | length
+    def _remember(self, key: Key, record: dict, offset: int, length: int, line: int = 0) -> None:
+        self.done[key] = _pack(line, offset, length)
         if record.get("error") is not None:
             self.failed.add(key)
 
@@ -212,8 +213,9 @@ class OutputWriter:
         replace_file(meta_path(self.path), (json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint},
                                                        indent=1) + "\n").encode("utf-8"), fsync=True)
 
-    def write(self, record: dict, key: Key | None = None) -> None:
-        """Append one record (key defaults to record_key(record))."""
+    def write(self, record: dict, key: Key | None = None, input_line: int = 0) -> None:
+        """Append one record (key defaults to record_key(record)); `input_line`: the input line it answers
+        (0: unknown; such records go after the others at finalize)."""
         global _writes_in_progress
         if self._fd is None:
             raise RuntimeError("OutputWriter.write before open()")
@@ -229,7 +231,7 @@ class OutputWriter:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
-            self._remember(key, record, self._size, len(line))
+            self._remember(key, record, self._size, len(line), input_line)
             self._size += len(line)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
@@ -260,10 +262,22 @@ class OutputWriter:
             finally:
                 os.close(fd)
 
-    def finalize(self, order: Iterable[Key]) -> None:
-        """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last.
-        `order` may be a generator (it is read once). The lock stays held (the report is written
-        next); close() lets it go."""
+    def locate(self, key: Key, input_line: int) -> None:
+        """Record which input line a record of a previous run answers (the resume's pass over the inputs)."""
+        packed = self.done.get(key)
+        if packed is not None:
+            self.done[key] = _pack(input_line, _offset(packed), _length(packed))
+
+    def input_order(self) -> list[Key]:
+        """The keys whose input line is known, in input order."""
+        return sorted((k for k, packed in self.done.items() if _line(packed)), key=lambda k: _line(self.done[k]))
+
+    def finalize(self, order: Iterable[Key] | None = None) -> None:
+        """Rewrite in input order (input_order() unless `order` is given); the other keys go last, in
+        file order. `order` may be a generator (it is read once). The lock stays held (the report is
+        written next); close() lets it go."""
+        if order is None:
+            order = self.input_order()
         self._close_file()
         try:
             self._rewrite(order, rest=True)
@@ -284,12 +298,12 @@ class OutputWriter:
 
                 def copy(key: Key, packed: int) -> None:
                     nonlocal at
-                    src.seek(packed >> 32)
-                    line = src.read(packed & 0xFFFFFFFF)
+                    src.seek(_offset(packed))
+                    line = src.read(_length(packed))
                     out.write(line)
                     # Updated in place (no second index): a copied line's entry is its new place,
                     # bit-inverted (negative) to mark it copied until the end.
-                    done[key] = ~(at << 32 | len(line))
+                    done[key] = ~_pack(_line(packed), at, len(line))
                     at += len(line)
 
                 for key in keys:
@@ -311,6 +325,25 @@ class OutputWriter:
             self.failed.discard(key)
         for key, packed in done.items():
             done[key] = ~packed
+
+
+_LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+
+
+def _pack(line: int, offset: int, length: int) -> int:
+    return line << _LINE_SHIFT | offset << 32 | length
+
+
+def _line(packed: int) -> int:
+    return packed >> _LINE_SHIFT
+
+
+def _offset(packed: int) -> int:
+    return packed >> 32 & ((1 << (_LINE_SHIFT - 32)) - 1)
+
+
+def _length(packed: int) -> int:
+    return packed & 0xFFFFFFFF
 
 
 _writes_in_progress = 0
