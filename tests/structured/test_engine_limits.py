@@ -185,3 +185,19 @@ def test_a_job_with_a_request_past_the_limits_finishes_and_its_resume_goes_past(
     assert [bool(r.get("error")) for r in recs] == [False, True, False, True, False]
     res = CliRunner().invoke(app, args)  # the resume: nothing left, the failures are records
     assert res.exit_code == 3 and "nothing to do: all 5 requests are in" in res.output, res.output
+
+
+@pytest.mark.parametrize("depth", [300, 450])
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_schema_nested_too_deep_to_check_is_that_lines_error(tiny, tmp_path, depth, as_text):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    spec = {"json": json.dumps(schema) if as_text else schema}
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"prompt": "x", "structured_outputs": spec}) + "\n"
+                 + json.dumps({"prompt": "y", "structured_outputs": GOOD}) + "\n")
+    llm = make_llm(tiny)
+    requests, invalid = llm.read_requests(p, skip_invalid=True)
+    assert [r.line for r in requests] == [2] and [b.line for b in invalid] == [1]
+    assert invalid[0].error.startswith("prompts.jsonl:1: ") and "\n" not in invalid[0].error
