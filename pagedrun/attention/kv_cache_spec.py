@@ -13,8 +13,8 @@ The layer's scale comes from the recipe (`cache.k_scale` / `cache.v_scale`) or, 
 the first write to the layer, which the worker makes at start-up with a fixed prompt (so the
 scale depends on the model only, never on which requests come first): absmax / (fp8 max / 2), so
 values up to twice the calibration prompt's largest still fit (e4m3 keeps 3 mantissa bits at
-every magnitude down to 2^-6 of its max, so the headroom costs precision only on tiny values). int8 needs no calibration: each
-(token, head) row gets scale = absmax / 127 and q = round-half-even(x / scale), stored beside the
+every magnitude down to 2^-6 of its max, so the headroom costs precision only on tiny values).
+int8 needs no calibration: each (token, head) row gets scale = absmax / 127 and q = round-half-even(x / scale), stored beside the
 block (one scale tensor indexed by the same block id), so a block stays self-contained when it is
 copied on write, swapped or reused from the prefix cache.
 

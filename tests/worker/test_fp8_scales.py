@@ -80,4 +80,5 @@ def test_calibration_ids_are_fixed_and_inside_the_vocabulary():
 
     assert calibration_ids(Tok(), 1000) == [ord(c) for c in "The c"] * 3 + [ord("T")]
     assert len(calibration_ids(None, 50)) == CALIBRATION_TOKENS
-    assert all(0 <= i < 50 for i in calibration_ids(None, 50)) and calibration_ids(None, 50) == calibration_ids(None, 50)
+    fixed = calibration_ids(None, 50)
+    assert all(0 <= i < 50 for i in fixed) and fixed == calibration_ids(None, 50)
