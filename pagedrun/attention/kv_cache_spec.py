@@ -14,9 +14,10 @@ the first write to the layer, which the worker makes at start-up with a fixed pr
 scale depends on the model only, never on which requests come first): absmax / (fp8 max / 2), so
 values up to twice the calibration prompt's largest still fit (e4m3 keeps 3 mantissa bits at
 every magnitude down to 2^-6 of its max, so the headroom costs precision only on tiny values).
-int8 needs no calibration: each (token, head) row gets scale = absmax / 127 and q = round-half-even(x / scale), stored beside the
-block (one scale tensor indexed by the same block id), so a block stays self-contained when it is
-copied on write, swapped or reused from the prefix cache.
+int8 needs no calibration: each (token, head) row gets scale = absmax / 127 and
+q = round-half-even(x / scale), stored beside the block (one scale tensor indexed by the same block
+id), so a block stays self-contained when it is copied on write, swapped or reused from the prefix
+cache.
 
 Every attention path dequantizes on read and computes in float32; this module is the reference the
 C++ and CUDA kernels are tested against.
