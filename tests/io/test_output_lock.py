@@ -2,6 +2,7 @@
 no file a user deletes, moves or forges lets a second writer in; the refusal says who holds it."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -149,3 +150,21 @@ def test_a_refused_run_leaves_no_empty_output_and_no_lock(tmp_path):
     assert not out.exists() and not lock_path(out).exists()
     opened(out).close()  # opened, it stays (even empty)
     assert out.exists() and not lock_path(out).exists()
+
+
+def test_the_cli_refuses_a_second_run_after_the_note_is_deleted(holder, tmp_path):
+    from typer.testing import CliRunner
+
+    from pagedrun.cli.app import app
+
+    out, first = holder
+    lock_path(out).unlink()  # "stale", by hand
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 6]}\n')
+    res = CliRunner().invoke(app, ["generate", str(prompts), "-o", str(out), "--set", "cache.num_blocks=16"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.stderr.startswith(f"error: {out}: in use by another pagedrun run (pid ") and res.stderr.count("\n") == 1
+    if Path("/proc/locks").exists():
+        assert f"(pid {first.pid}" in res.stderr
+    assert out.read_text().count("\n") == 1  # the holder's line, nothing of the refused run
+    assert json.loads((tmp_path / "o.jsonl.meta.json").read_text())["fingerprint"] == FP
