@@ -17,6 +17,7 @@ import torch
 
 from pagedrun.attention import kv_cache_spec as kv_quant
 from pagedrun.build import cpu as cpu_build
+from pagedrun.build.cache import load_library
 
 SOURCE = cpu_build.KERNEL_DIR / "paged_attention_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -60,7 +61,7 @@ class CpuAttentionKernels:
 
     def __init__(self, so_path: Path) -> None:
         self.so_path = so_path
-        lib = ctypes.CDLL(str(so_path))
+        lib = load_library(so_path)  # the very file the cache checked (build/cache.py)
         lib.paged_attention_varlen.restype = _int
         # ... scale, window, softcap, dtype, threads, kv kind, k_aux, v_aux
         tail = [_f32, _i32, _f32, _int, _int, _int, _ptr, _ptr]

@@ -10,12 +10,14 @@
 fp8 is vLLM's scheme: q = fp8(x / scale), rounded to nearest even and saturated to the format's
 finite range (e4m3fn +-448, e5m2 +-57344, CUDA's __NV_SATFINITE), read back as float(q) * scale.
 The layer's scale comes from the recipe (`cache.k_scale` / `cache.v_scale`) or, left unset, from
-the first step that writes the layer: absmax / (fp8 max / 2), so values up to twice the first
-batch's largest still fit (e4m3 keeps 3 mantissa bits at every magnitude down to 2^-6 of its
-max, so the headroom costs precision only on tiny values). int8 needs no calibration: each
-(token, head) row gets scale = absmax / 127 and q = round-half-even(x / scale), stored beside the
-block (one scale tensor indexed by the same block id), so a block stays self-contained when it is
-copied on write, swapped or reused from the prefix cache.
+the first write to the layer, which the worker makes at start-up with a fixed prompt (so the
+scale depends on the model only, never on which requests come first): absmax / (fp8 max / 2), so
+values up to twice the calibration prompt's largest still fit (e4m3 keeps 3 mantissa bits at
+every magnitude down to 2^-6 of its max, so the headroom costs precision only on tiny values).
+int8 needs no calibration: each (token, head) row gets scale = absmax / 127 and
+q = round-half-even(x / scale), stored beside the block (one scale tensor indexed by the same block
+id), so a block stays self-contained when it is copied on write, swapped or reused from the prefix
+cache.
 
 Every attention path dequantizes on read and computes in float32; this module is the reference the
 C++ and CUDA kernels are tested against.

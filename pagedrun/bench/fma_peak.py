@@ -16,6 +16,7 @@ import ctypes
 import time
 
 from pagedrun.build import cpu as cpu_build
+from pagedrun.build.cache import load_library
 
 SOURCE = cpu_build.KERNEL_DIR / "fma_peak.cpp"
 
@@ -23,7 +24,7 @@ SOURCE = cpu_build.KERNEL_DIR / "fma_peak.cpp"
 def measure(dtype: str, threads: int, seconds: float = 0.5) -> dict:
     """{"flops_per_s", "isa", "lanes", "bf16_dot", "amx", "threads"} for dtype float32 / bfloat16 / float16
     (float16 has no CPU FMA of its own here: the fp32 roof). Raises RuntimeError without a compiler."""
-    lib = ctypes.CDLL(str(cpu_build.build(SOURCE)))
+    lib = load_library(cpu_build.build(SOURCE))
     lib.fma_peak_run.restype = ctypes.c_double
     lib.fma_peak_run.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lanes, bf16_dot, amx = lib.fma_peak_lanes(), bool(lib.fma_peak_has_bf16_dot()), bool(lib.fma_peak_has_amx())

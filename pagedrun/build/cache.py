@@ -14,6 +14,13 @@ who loads it, and a tokenizer or chat template shapes every prompt, so an entry 
     recorded one (files over REHASH_LIMIT, i.e. the default model's weights, which are data and
     never code, are checked by size and mtime instead of being read again on every run).
 
+The cache directory's path is resolved once (private_dir), so a symbolic link in it (a
+PAGEDRUN_CACHE in /tmp, say) is followed at the check and never again. A library is loaded by
+load_library, which checks and loads one open file: the entry directory and the file are opened
+without following links, the file's owner, mode, size and sha256 are checked on that descriptor,
+and the dynamic loader is handed the descriptor itself (/proc/self/fd/N), never the path again, so
+nothing swapped in between the check and the load is ever run.
+
 An entry that fails is rebuilt; a cache directory another user owns is replaced by a private
 `<kind>-uid<uid>` beside it; if neither is possible (a read-only cache, a foreign one) a CacheError
 says why, and the caller turns the kernels off or stops with that line.
@@ -24,6 +31,7 @@ directory, removed later by remove_stale_builds.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -63,6 +71,9 @@ def private_dir(kind: str, base: Path | None = None) -> Path:
             base.mkdir(mode=0o700, exist_ok=True)
     except OSError as e:
         raise CacheError(f"cannot create the cache directory {base}: {e.strerror or e}") from None
+    # Once: what is checked below and every path built on it name the same directories, however a
+    # link on the way (PAGEDRUN_CACHE itself, say) is flipped later.
+    base = base.resolve()
     st = os.stat(base)
     if "PAGEDRUN_CACHE" not in os.environ and st.st_uid == current_uid() and st.st_mode & 0o022:
         _tighten(base)  # ~/.cache/pagedrun made under umask 002
@@ -174,6 +185,91 @@ def verify(entry: Path) -> str | None:
         except (KeyError, TypeError):
             return f"{manifest}: unreadable"
     return None
+
+
+_loaded: list[int] = []  # descriptors of loaded libraries, open for the process's life (see load_library)
+
+
+def load_library(path: Path, mode: int = ctypes.DEFAULT_MODE) -> ctypes.CDLL:
+    """ctypes.CDLL of the library `path` (in a cache entry build_once returned), loaded from the very
+    file whose owner, mode and recorded sha256 were checked: see open_verified."""
+    fd = open_verified(path)
+    name = f"/proc/self/fd/{fd}"
+    if not os.path.exists(name):  # no procfs: the path, checked just now (the entry is ours alone)
+        name = str(path)
+    try:
+        lib = ctypes.CDLL(name, mode=mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    # Never closed: the loader knows the library by this name, and a reused descriptor number
+    # would make a later load of another library return this one.
+    _loaded.append(fd)
+    return lib
+
+
+def open_verified(path: Path) -> int:
+    """A descriptor of `path`, a file of a cache entry, once it is shown to be what the entry's build
+    recorded: directory and file opened without following links, owned by us and writable by nobody
+    else (checked on the descriptors), size and sha256 those of the manifest (read from the same
+    directory descriptor). CacheError says why not."""
+    entry = path.parent
+    try:
+        dfd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise CacheError(f"{entry}: {e.strerror or e}") from None
+    try:
+        why = _foreign(entry, os.fstat(dfd))
+        if why:
+            raise CacheError(why)
+        files = _manifest_at(dfd, entry)
+        rec = files.get(path.name)
+        if not isinstance(rec, dict):
+            raise CacheError(f"{path}: not recorded in {entry / MANIFEST}")
+        fd = _open_own_file(dfd, path)
+    finally:
+        os.close(dfd)
+    try:
+        if os.fstat(fd).st_size != rec.get("size") or _sha256_fd(fd) != rec.get("sha256"):
+            raise CacheError(f"{path}: changed since it was built (size or sha256)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_own_file(dfd: int, path: Path) -> int:
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError as e:
+        raise CacheError(f"{path}: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    why = f"{path}: is not a regular file" if not stat.S_ISREG(st.st_mode) else _foreign(path, st)
+    if why:
+        os.close(fd)
+        raise CacheError(why)
+    return fd
+
+
+def _manifest_at(dfd: int, entry: Path) -> dict:
+    fd = _open_own_file(dfd, entry / MANIFEST)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            files = json.loads(f.read(16 << 20))["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+        return files
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CacheError(f"{entry / MANIFEST}: unreadable") from None
+
+
+def _sha256_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 22, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
 
 
 def remove_stale_builds(root: Path, max_age_s: float = 3600.0) -> None:

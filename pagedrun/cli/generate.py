@@ -65,10 +65,10 @@ class LocalRun:
         return build_report(self.llm.engine, self.results, wall_s=wall_s, load_s=self.load_s,
                             interrupted=interrupted)
 
-    def plot(self, path: Path) -> None:
+    def plot(self, path: Path, output: Path, inputs: tuple[Path, ...]) -> None:
         from pagedrun.report.plot import plot_blocks
 
-        plot_blocks(self.llm.engine, path)
+        plot_blocks(self.llm.engine, path, output, inputs)
 
     def summary(self, console: Console, report: dict | None) -> dict | None:
         return report

@@ -1,11 +1,13 @@
 """One `pagedrun generate` job, local or on Ray: recipe + prompts file -> outputs (+ report), resumable.
 
-Order of work, the same for both: validate the recipe, check the prompts file exists, open the
-output's lock and read what a previous run finished, check every line of the prompts file (pass 1,
-no tokenization: a bad line stops the job before the model loads or a cluster is joined), start the
+Order of work, the same for both: validate the recipe, take a snapshot of the prompts file (a
+private copy of its bytes, size and sha256 recorded: what every pass reads), open the output's
+lock and read what a previous run finished, check every line of the snapshot (pass 1, no
+tokenization: a bad line stops the job before the model loads or a cluster is joined), start the
 executor (load the model, or join Ray and size the actor pool), run with a progress bar while the
-requests are tokenized as they are pulled (pass 2), rewrite the output in input order (pass 3 reads
-the order from the prompts file again), write the report, print the summary, pick the exit code.
+requests are tokenized as they are pulled (pass 2), say in one line if the prompts file changed
+meanwhile, rewrite the output in input order (by the input line each record carries: the prompts
+are not parsed again), write the report, print the summary, pick the exit code.
 The prompts file is pagedrun's JSONL or an OpenAI batch file; the output follows its format.
 
 What differs is the executor: cli/generate.py's LocalRun (one engine in this process) or
@@ -26,7 +28,14 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from pagedrun.errors import PagedrunError
 
@@ -46,7 +55,7 @@ def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, co
     for bad in stream.invalid:
         key = stream.key_of_invalid(bad)
         if key not in writer:
-            writer.write(records.invalid(bad), key)
+            writer.write(records.invalid(bad), key, bad.line)
     if writer.resumed and not quiet:
         console.print(f"resuming {output}: {writer.resumed} requests already done, {stream.num_pending} to go",
                       highlight=False, soft_wrap=True, markup=False)
@@ -78,13 +87,11 @@ class OutputRecords:
         return output_line(o, batch, self.job, self.tokenizer)
 
 
-def job_exit_code(writer, order, output: Path, console: Console) -> int:
-    """0 when every request of the job has an output, else 3 (some failed) or 4 (all failed), saying
-    how many, even with --quiet. Counts the output file, so a resumed job counts its earlier runs."""
-    total = failed = 0
-    for k in order:  # may be a generator (io/stream.py): read once
-        total += 1
-        failed += k in writer.failed
+def job_exit_code(writer, total: int, output: Path, console: Console) -> int:
+    """0 when every one of the job's `total` requests has an output, else 3 (some failed) or 4 (all
+    failed), saying how many, even with --quiet. Counts the output file, so a resumed job counts its
+    earlier runs; a line with no record at all (its bytes gone from a file cut short meanwhile) failed."""
+    failed = min(total, len(writer.failed) + max(0, total - len(writer.done)))
     if not failed:
         return EXIT_OK
     code = EXIT_ALL_FAILED if failed == total else EXIT_SOME_FAILED
@@ -123,40 +130,47 @@ def print_summary(console: Console, results, wall: float, output: Path, report, 
 
 def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, overwrite: bool, skip_invalid: bool,
             plot: Path | None, quiet: bool, console: Console, stop, make_executor) -> int:
-    from pagedrun.io.fingerprint import file_sha256
+    from pagedrun.io.input_files import InputSnapshot
     from pagedrun.io.writer import OutputWriter
 
     if not prompts.is_file():
         raise PagedrunError(f"{prompts}: prompts file not found")
     if output.resolve() == prompts.resolve():
         raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
-    # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
-    fingerprint = {"recipe": recipe.fingerprint(), "prompts": file_sha256(prompts)}
-    # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
-    writer = OutputWriter(output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
-                          inputs=(prompts, recipe_path), report=recipe.output.report)
-    executor = None
+    if plot is not None:  # by -o's rules, now: a bad --plot costs nothing (io/file_safety.py)
+        check_plot_option(plot, output, (prompts, recipe_path))
+    # The bytes this job is made of, whatever happens to the file while it runs (io/input_files.py).
+    snapshot = InputSnapshot.open(prompts, spool_dir=output.parent)
+    executor = writer = None
     try:
+        # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
+        fingerprint = {"recipe": recipe.fingerprint(), "prompts": snapshot.sha256}
+        # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
+        writer = OutputWriter(output, fingerprint, overwrite=overwrite,
+                              fsync_interval_s=recipe.output.fsync_interval_s, inputs=(prompts, recipe_path),
+                              report=recipe.output.report)
         executor = make_executor()  # cheap; Ray's says in one line when Ray is not installed
         # Pass 1 over the prompts (io/stream.py): a bad line fails here, before the model loads.
         with console.status("checking requests…", spinner="dots"):
-            stream = check_requests(recipe, prompts, fingerprint["prompts"], skip_invalid, writer)
+            stream = check_requests(recipe, snapshot, skip_invalid, writer)
         if stream.other_models and not quiet:
             names = ", ".join(repr(m) for m in list(stream.other_models)[:3])
             console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
                           f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                           style="yellow", highlight=False, soft_wrap=True, markup=False)
         return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
-                    console=console, stop=stop)
+                    console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None))
     finally:
         if executor is not None:
             executor.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
+        snapshot.close()
         stop.restore()
 
 
 def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
-         stop) -> int:
+         stop, inputs: tuple[Path, ...] = ()) -> int:
     from pagedrun.io.writer import request_key
 
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, stream.tokenizer)
@@ -164,11 +178,11 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
     open_stream_output(writer, stream, records, output=output, quiet=quiet, console=console)
     if not stream.num_pending and (writer.resumed or executor.skips_empty_runs):
         # Nothing left to run: put the file in input order, keep the report of the run that did the work.
-        writer.finalize(stream.order(done))
+        writer.finalize()
         if not quiet:
             console.print(f"nothing to do: all {stream.num_lines} requests are in {output}", highlight=False,
                           soft_wrap=True, markup=False)
-        return job_exit_code(writer, stream.order(done), output, console)
+        return job_exit_code(writer, stream.num_lines, output, console)
     # From here a first Ctrl-C or SIGTERM ends the job cleanly (every finished output kept), a second
     # one at once: during the load or the cluster's start too.
     stop.install()
@@ -181,21 +195,22 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         TextColumn("{task.fields[tps]:>7.1f} tok/s"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         console=console, disable=quiet, transient=False,
     )
-    in_flight: dict[str, object] = {}  # request id -> its batch line (OpenAI side), until written
+    in_flight: dict[str, tuple] = {}  # request id -> (its batch line (OpenAI side), its input line), until written
 
     def pulled():
         for r in stream.requests(done, on_invalid):
-            in_flight[r.id] = r.batch
+            in_flight[r.id] = (r.batch, r.line)
             yield r
 
     def on_invalid(bad) -> None:  # a line that failed tokenization: its error record now
-        writer.write(records.invalid(bad), stream.key_of_invalid(bad))
+        writer.write(records.invalid(bad), stream.key_of_invalid(bad), bad.line)
         progress.advance(task, 1)
 
     def on_output(o) -> bool:
         if request_key(o.request_id) in writer:
             return False  # a retried Ray batch whose first attempt did return: answered once only
-        writer.write(records.finished(o, in_flight.pop(o.request_id, None)))
+        batch, line = in_flight.pop(o.request_id, (None, 0))
+        writer.write(records.finished(o, batch), input_line=line)
         progress.advance(task, max(1, len(o.outputs)))
         return True
 
@@ -207,12 +222,15 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
         executor.run(pulled(), on_output, on_tokens, stop)
     wall = time.perf_counter() - t0
+    change = stream.snapshot.change()
+    if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
+        console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
     # A late signal interrupts nothing: every line has its record.
     interrupted = stop.stop and len(writer.done) < stream.num_lines
     if interrupted:
         writer.close()  # every finished request is in the file; the rest are redone on resume
     else:
-        writer.finalize(stream.order(done))
+        writer.finalize()
 
     report = report_file = None
     if recipe.output.report:
@@ -220,8 +238,13 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
 
         report = executor.report(wall, interrupted)
         report_file = write_report(report, output)
-        if plot is not None:
-            executor.plot(plot)
+        if plot is not None and executor.plots:
+            try:
+                executor.plot(plot, output, inputs)
+            except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
+                console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
+                              markup=False)
+                plot = None
     if not quiet:
         print_summary(console, executor.results, wall, output, executor.summary(console, report), len(stream.invalid))
         if report is not None:
@@ -232,21 +255,33 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
                       f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
-    return job_exit_code(writer, stream.order(done), output, console)
+    return job_exit_code(writer, stream.num_lines, output, console)
 
 
-def check_requests(recipe, prompts: Path, prompts_sha256: str, skip_invalid: bool, writer):
-    """Pass 1 over the prompts file, with the tokenizer and limits of the recipe's model (no weights)."""
+def check_plot_option(plot: Path, output: Path, inputs) -> None:
+    """--plot's path (the rules of -o's derived files) and the extra that draws it, before any work."""
+    import importlib.util
+
+    from pagedrun.io.file_safety import check_plot
+
+    check_plot(plot, output, tuple(Path(p) for p in inputs if p is not None))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PagedrunError("--plot needs matplotlib: pip install 'pagedrun[plot]'")
+
+
+def check_requests(recipe, snapshot, skip_invalid: bool, writer):
+    """Pass 1 over the prompts file's snapshot, with the tokenizer and limits of the recipe's model (no
+    weights); the writer learns the input line of each record a previous run left."""
     from pagedrun.io.openai_batch import BatchJob
     from pagedrun.io.stream import RequestStream
 
     tokenizer, cfg, max_model_len = request_checker(recipe)
     # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
-    job = BatchJob(input_sha256=prompts_sha256, model=model_name(recipe), created=int(prompts.stat().st_mtime),
+    job = BatchJob(input_sha256=snapshot.sha256, model=model_name(recipe), created=snapshot.mtime,
                    system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
-    stream = RequestStream(prompts, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
-                           tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job)
-    stream.validate(lambda key: key in writer)
+    stream = RequestStream(snapshot.path, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
+                           tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job, snapshot=snapshot)
+    stream.validate(writer.__contains__, writer.locate)
     return stream
 
 

@@ -137,8 +137,8 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "hybrid_kv": bool_check,
         "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
         "kv_cache_dtype": _choice(KV_CACHE_DTYPES, _KV_DTYPE_ALIASES),
-        "k_scale": optional(float_check("a number > 0 (null: from the first step)", lambda x: x > 0)),
-        "v_scale": optional(float_check("a number > 0 (null: from the first step)", lambda x: x > 0)),
+        "k_scale": optional(float_check("a number > 0 (null: calibrated at start-up)", lambda x: x > 0)),
+        "v_scale": optional(float_check("a number > 0 (null: calibrated at start-up)", lambda x: x > 0)),
     },
     "scheduler": {
         "max_num_seqs": int_check(lo=1, cap=MAX_NUM_SEQS),

@@ -80,7 +80,7 @@ class CacheConfig:
     hybrid_kv: bool = True
     # auto = the model's dtype; fp8 (e4m3, e5m2) and int8 store 1 byte per element (attention/kv_cache_spec.py).
     kv_cache_dtype: str = "auto"
-    k_scale: float | None = None  # fp8 scales for every layer; null: calibrated on the first step
+    k_scale: float | None = None  # fp8 scales for every layer; null: calibrated at start-up
     v_scale: float | None = None
 
     def kv_cache_bytes(self, available_bytes: int) -> int:

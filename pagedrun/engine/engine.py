@@ -18,6 +18,7 @@ from pagedrun.engine.output_processor import check_stop, final_text
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
+from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
 from pagedrun.outputs import CompletionOutput, RequestOutput
 from pagedrun.report.metrics import StepRecord
@@ -56,6 +57,7 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
+        self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step
         self._last_stats = self._stats_snapshot()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -75,14 +77,30 @@ class LLMEngine:
         if sampling.seed is not None:
             self.generators[seq.seq_id] = self.worker.make_generator(sampling.seed)
         if sampling.structured_outputs is not None:
+            why = self._add_grammar(seq.seq_id, sampling.structured_outputs)
+            if why is not None:  # this request's error record, at the next step; the others run
+                o = self._error_output(group, why)
+                if o is not None:
+                    self._failed_early.append(o)
+                return
+        self.scheduler.add_group(group)
+
+    def _add_grammar(self, seq_id: int, spec: dict) -> str | None:
+        """Give the sequence its grammar; None, or why the grammar engine cannot (a limit, a tokenizer
+        it cannot read): that request fails, not the run."""
+        try:
             if self.structured is None:
                 self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids)
-            self.structured.add(seq.seq_id, sampling.structured_outputs)
-        self.scheduler.add_group(group)
+            self.structured.add(seq_id, spec)
+        except PagedrunError as e:
+            return str(e)
+        except Exception as e:  # the engine's own errors (llguidance raises ValueError / RuntimeError)
+            return f"structured_outputs: the grammar engine failed: {' '.join(str(e).split())[:300]}"
+        return None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._failed_early)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -92,7 +110,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
-        finished = [o for g, reason in out.aborted if (o := self._error_output(g, reason)) is not None]
+        finished, self._failed_early = self._failed_early, []
+        finished += [o for g, reason in out.aborted if (o := self._error_output(g, reason)) is not None]
         if out.is_empty:
             return finished + self._unblock()
         result, row_owner = self._execute(out)
@@ -152,6 +171,10 @@ class LLMEngine:
                 check_stop(seq, group.sampling, self.eos_token_ids, self.max_model_len, self.tokenizer)
                 if self.structured is not None:
                     self.structured.after_token(seq)
+                    why = self.structured.error_of(seq.seq_id)
+                    if why is not None:  # the grammar engine gave up on this request: it alone fails
+                        self._fail_group(group, why)
+                        break
                 if seq.is_finished:
                     self.scheduler.free_seq(seq)
             if group.first_token_time is None:
@@ -166,6 +189,13 @@ class LLMEngine:
             if o is not None:
                 finished.append(o)
         return finished
+
+    def _fail_group(self, group: SequenceGroup, why: str) -> None:
+        """End every sequence of the group now; its output will be an error record saying why."""
+        group.error = why
+        for seq in group.unfinished_seqs():
+            seq.finish("abort")
+            self.scheduler.free_seq(seq)
 
     def _generators(self, seq: Sequence, group: SequenceGroup, fan: int) -> list[object | None]:
         """The sequence's own generator; for a prompt about to fork, one new stream per child."""
@@ -204,6 +234,8 @@ class LLMEngine:
     # ---- outputs --------------------------------------------------------------------------------
     def _request_output(self, g: SequenceGroup) -> RequestOutput | None:
         """The finished request's output; None for a fanned-out child whose siblings still run."""
+        if g.error is not None:
+            return self._error_output(g, g.error)
         self._release(g)
         groups = [g]
         if g.parent is not None:

@@ -95,6 +95,7 @@ class SequenceGroup:
     # (engine/parallel_sampling.py), merged into one output with its siblings.
     parent: object | None = None
     child_index: int = 0
+    error: str | None = None  # why this request failed while it ran (its grammar): an error record
 
     @property
     def prompt_len(self) -> int:

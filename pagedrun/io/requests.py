@@ -167,6 +167,8 @@ class LineChecker:
             message = f"{self.name}:{lineno}:{field} {e.message}"
         except PagedrunError as e:  # from SamplingParams: already "prompts.jsonl:7: field: ..."
             message = str(e)
+        except RecursionError:  # a value nested deeper than any check can walk: this line's problem alone
+            message = f"{self.name}:{lineno}: nested too deeply to check (a schema or value hundreds of levels deep)"
         if self.format == JSONL and self.unique_ids:
             self.first_line_of_id.setdefault(rid, lineno)  # a later line may not reuse an error record's id
         elif self.format == OPENAI:  # e.g. a pagedrun line in a batch file: its own kind of id

@@ -1,11 +1,17 @@
 """A prompts file of any size, streamed: checked whole up front, tokenized in a window as the engine
-pulls, and re-read for the input order at the end, so memory does not grow with its outputs.
+pulls, and put in input order at the end by the line each record carries, so memory does not grow with
+its outputs.
 
-    stream = RequestStream(path, ...)
-    stream.validate(done)         # pass 1: JSON, fields, values, unique ids; no tokenizer work. A bad
+    stream = RequestStream(path, ..., snapshot=InputSnapshot.open(path))
+    stream.validate(done, locate) # pass 1: JSON, fields, values, unique ids; no tokenizer work. A bad
                                   # line fails here, naming file, line and field, before the model loads
     llm.run(stream.requests(done, on_invalid), window=...)   # pass 2: the lines still to run
-    writer.finalize(stream.order(done))                       # pass 3: every line's output key, in order
+    writer.finalize()             # in input order: each record's line is known (locate, Request.line)
+
+Both passes read the snapshot (io/input_files.py): a private copy of the bytes the file held when
+the run started, so nothing done to the file during the run changes what runs.
+The final order is not read from the file again: pass 1 tells `locate(key, line)` the line of each
+record a previous run left, and every record written now carries its line.
 
 `done(key)` says whether the output already holds a line's record (a resumed run skips it). What
 only tokenization can find (a prompt longer than max_model_len, a chat template that fails, token
@@ -21,17 +27,25 @@ from pathlib import Path
 from typing import Any
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.input_files import open_input
+from pagedrun.io.input_files import InputSnapshot
 from pagedrun.io.openai_batch import BatchJob
-from pagedrun.io.requests import OPENAI, InvalidRequest, LineChecker, LineFailure, Request
+from pagedrun.io.requests import (
+    OPENAI,
+    InvalidRequest,
+    LineChecker,
+    LineFailure,
+    Request,
+)
 from pagedrun.io.writer import Key, request_key
 from pagedrun.sampling_params import SamplingParams
 
 
 class RequestStream:
     def __init__(self, path: Path, defaults: SamplingParams, *, vocab_size: int, max_model_len: int,
-                 tokenizer: Any, skip_invalid: bool = False, batch_job: BatchJob | None = None) -> None:
+                 tokenizer: Any, skip_invalid: bool = False, batch_job: BatchJob | None = None,
+                 snapshot: InputSnapshot | None = None) -> None:
         self.path = Path(path)
+        self._snapshot = snapshot
         self.defaults, self.vocab_size, self.max_model_len = defaults, vocab_size, max_model_len
         self.tokenizer, self.skip_invalid, self.batch_job = tokenizer, skip_invalid, batch_job
         self.format: str | None = None
@@ -44,14 +58,19 @@ class RequestStream:
         self._bad_lines: set[int] = set()  # pass 1's invalid lines
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
-        """(line number, bytes) of each non-blank line, read a line at a time."""
-        with open_input(self.path, "prompts") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM some editors write
-                    raw = raw[3:]
-                raw = raw.rstrip(b"\n")
-                if raw.strip():
-                    yield lineno, raw
+        """(line number, bytes) of each non-blank line of the snapshot, read a line at a time."""
+        for lineno, raw in enumerate(self.snapshot.lines(), start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM some editors write
+                raw = raw[3:]
+            raw = raw.rstrip(b"\n")
+            if raw.strip():
+                yield lineno, raw
+
+    @property
+    def snapshot(self) -> InputSnapshot:
+        if self._snapshot is None:  # taken at the first pass when the caller took none
+            self._snapshot = InputSnapshot.open(self.path)
+        return self._snapshot
 
     def _checker(self, unique_ids: bool = False) -> LineChecker:
         """Pass 1's checks ids for duplicates; the later passes skip the lines it refused, so keep no table."""
@@ -59,8 +78,12 @@ class RequestStream:
                            batch_job=self.batch_job, unique_ids=unique_ids)
 
     # ---- pass 1 ---------------------------------------------------------------------------------
-    def validate(self, done: Callable[[Key], bool] = lambda key: False) -> None:
-        """Check every line; raises PagedrunError at the first bad one unless skip_invalid."""
+    def validate(self, done: Callable[[Key], bool] = lambda key: False,
+                 locate: Callable[[Key, int], None] = lambda key, line: None) -> None:
+        """Check every line; raises PagedrunError at the first bad one unless skip_invalid. locate(key,
+        line) is told the input line of every record the output already holds."""
+        from pagedrun.io.writer import invalid_key
+
         checker = self._checker(unique_ids=True)
         for lineno, raw in self._lines():
             self.num_lines += 1
@@ -72,7 +95,12 @@ class RequestStream:
                 self.invalid.append(e.bad)
                 self._bad_lines.add(lineno)
                 continue
-            if not done(request_key(spec.id)):
+            key = request_key(spec.id)
+            if done(key):
+                locate(key, lineno)
+            elif done(invalid_key(lineno)):  # failed tokenization in an earlier run (pagedrun's format)
+                locate(invalid_key(lineno), lineno)
+            else:
                 self.num_pending += 1
                 self.pending_completions += spec.sampling.n
         if not self.num_lines:
@@ -82,6 +110,9 @@ class RequestStream:
             for bad in self.invalid:
                 if bad.line < checker.format_line:
                     bad.id = self.batch_job.error_line_id(bad.line)
+        for bad in self.invalid:
+            if done(self.key_of_invalid(bad)):
+                locate(self.key_of_invalid(bad), bad.line)
 
     def key_of_invalid(self, bad: InvalidRequest) -> Key:
         """An error record's key: by line in pagedrun's format; a batch file's by its id (io/writer.py)."""
@@ -99,8 +130,11 @@ class RequestStream:
                 continue
             try:
                 spec = checker.check(raw, lineno)
-            except LineFailure as e:  # the file changed under the run (its fingerprint was checked)
-                raise PagedrunError(f"{e} (the prompts file changed during the run)") from None
+            except LineFailure as e:  # cannot happen to a snapshot; were it to, that line's error, not the job's
+                e.bad.error += " (the line changed during the run)"
+                if not done(self.key_of_invalid(e.bad)):
+                    on_invalid(e.bad)
+                continue
             if done(request_key(spec.id)):
                 continue
             try:
@@ -111,21 +145,3 @@ class RequestStream:
                 continue
             self.tokenized += 1
             yield request
-
-    # ---- pass 3 ---------------------------------------------------------------------------------
-    def order(self, done: Callable[[Key], bool]) -> Iterator[Key]:
-        """Every line's output key, in file order (read again from the file: nothing is kept per line)."""
-        from pagedrun.io.writer import invalid_key
-
-        checker = self._checker()
-        bad = {b.line: b for b in self.invalid}
-        for lineno, raw in self._lines():
-            if lineno in bad:
-                yield self.key_of_invalid(bad[lineno])
-                continue
-            key = request_key(checker.check(raw, lineno).id)
-            # A line that failed tokenization (pass 2, this run or an earlier one) has an error record
-            # keyed by its line in pagedrun's format (by its id in a batch file's: the same key).
-            if self.format != OPENAI and not done(key) and done(invalid_key(lineno)):
-                key = invalid_key(lineno)
-            yield key

@@ -15,9 +15,10 @@ On a re-run every complete line that parses is kept and its request skipped. Wha
 behind (a torn last line without its newline, a line that does not parse, a second line for the
 same request) is dropped, the file is rewritten without it, and those requests are redone.
 
-The writer holds no records, only where each one is in the file ((offset, length) packed in one int)
-and which failed: the final rewrite copies lines in input order from there, so a run of any size
-needs memory for its keys, not its outputs. The previous run's file is read line by line.
+The writer holds no records, only where each one is in the file and which input line it answers
+((input line, offset, length) packed in one int) and which failed: the final rewrite copies lines in
+the input's order from there (sorted by input line, never by reading the inputs again), so a run of
+any size needs memory for its keys, not its outputs. The previous run's file is read line by line.
 
 Records are keyed, not just by id: a request that ran is keyed by its id (unique among the requests
 that run), an error record for an input line that could not run by its line number, which it
@@ -91,7 +92,7 @@ class OutputWriter:
         self.fingerprint = dict(fingerprint)
         self.overwrite = overwrite
         self.fsync_interval_s = fsync_interval_s
-        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: offset << 32 | length
+        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
         self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
         self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
@@ -146,7 +147,7 @@ class OutputWriter:
                 "pass --overwrite to start afresh, or choose another -o"
             )
         try:
-            f = self.path.open("rb")
+            f = self._read_locked()
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot read: {e.strerror}") from None
         with f:
@@ -171,8 +172,16 @@ class OutputWriter:
                 self._remember(key, rec, start, len(raw))
         self._needs_rewrite = self._needs_rewrite or self.discarded > 0
 
-    def _remember(self, key: Key, record: dict, offset: int, length: int) -> None:
-        self.done[key] = offset << 32 | length
+    def _read_locked(self):
+        """The locked output for reading (the file checked, not whatever the path names by now)."""
+        if self._lock.fd is None:  # no flock on this platform
+            return self.path.open("rb")
+        f = os.fdopen(os.dup(self._lock.fd), "rb")
+        f.seek(0)
+        return f
+
+    def _remember(self, key: Key, record: dict, offset: int, length: int, line: int = 0) -> None:
+        self.done[key] = _pack(line, offset, length)
         if record.get("error") is not None:
             self.failed.add(key)
 
@@ -183,12 +192,18 @@ class OutputWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             for p in (self.path, meta_path(self.path), report_path(self.path)):
                 remove_stale_temps(p)  # left by a run killed mid-rename (we hold the lock: no live run's)
-            if self.overwrite:
+            self._lock.check_current()
+            if self.overwrite and self._lock.fd is not None:
+                os.ftruncate(self._lock.fd, 0)  # the locked file itself: removing it would drop the lock
+            elif self.overwrite:
                 self.path.unlink(missing_ok=True)
             elif self._needs_rewrite:
                 self._rewrite(list(self.done))
             self._write_meta()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               0o644)
+            self._lock.kept_open()
+            self._lock.check_current()  # the append fd is the locked file, not one put there meanwhile
             self._size = os.fstat(self._fd).st_size
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
@@ -198,8 +213,9 @@ class OutputWriter:
         replace_file(meta_path(self.path), (json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint},
                                                        indent=1) + "\n").encode("utf-8"), fsync=True)
 
-    def write(self, record: dict, key: Key | None = None) -> None:
-        """Append one record (key defaults to record_key(record))."""
+    def write(self, record: dict, key: Key | None = None, input_line: int = 0) -> None:
+        """Append one record (key defaults to record_key(record)); `input_line`: the input line it answers
+        (0: unknown; such records go after the others at finalize)."""
         global _writes_in_progress
         if self._fd is None:
             raise RuntimeError("OutputWriter.write before open()")
@@ -215,12 +231,13 @@ class OutputWriter:
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
-            self._remember(key, record, self._size, len(line))
+            self._remember(key, record, self._size, len(line), input_line)
             self._size += len(line)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
                 self._last_fsync = now
+                self._lock.check_current()  # OUT deleted or replaced by hand: stop, write over nothing
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
         finally:
@@ -245,10 +262,22 @@ class OutputWriter:
             finally:
                 os.close(fd)
 
-    def finalize(self, order: Iterable[Key]) -> None:
-        """Rewrite in input order; keys not in `order` (none, if the inputs are unchanged) go last.
-        `order` may be a generator (it is read once). The lock stays held (the report is written
-        next); close() lets it go."""
+    def locate(self, key: Key, input_line: int) -> None:
+        """Record which input line a record of a previous run answers (the resume's pass over the inputs)."""
+        packed = self.done.get(key)
+        if packed is not None:
+            self.done[key] = _pack(input_line, _offset(packed), _length(packed))
+
+    def input_order(self) -> list[Key]:
+        """The keys whose input line is known, in input order."""
+        return sorted((k for k, packed in self.done.items() if _line(packed)), key=lambda k: _line(self.done[k]))
+
+    def finalize(self, order: Iterable[Key] | None = None) -> None:
+        """Rewrite in input order (input_order() unless `order` is given); the other keys go last, in
+        file order. `order` may be a generator (it is read once). The lock stays held (the report is
+        written next); close() lets it go."""
+        if order is None:
+            order = self.input_order()
         self._close_file()
         try:
             self._rewrite(order, rest=True)
@@ -261,20 +290,20 @@ class OutputWriter:
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
         tmp = temp_path(self.path)
         tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         done = self.done
         try:
-            with os.fdopen(fd, "wb") as out, self.path.open("rb") as src:
+            with os.fdopen(fd, "wb") as out, self._read_locked() as src:
                 at = 0
 
                 def copy(key: Key, packed: int) -> None:
                     nonlocal at
-                    src.seek(packed >> 32)
-                    line = src.read(packed & 0xFFFFFFFF)
+                    src.seek(_offset(packed))
+                    line = src.read(_length(packed))
                     out.write(line)
                     # Updated in place (no second index): a copied line's entry is its new place,
                     # bit-inverted (negative) to mark it copied until the end.
-                    done[key] = ~(at << 32 | len(line))
+                    done[key] = ~_pack(_line(packed), at, len(line))
                     at += len(line)
 
                 for key in keys:
@@ -287,7 +316,7 @@ class OutputWriter:
                             copy(key, packed)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+                self._lock.replace(tmp, out.fileno())  # the lock moves to the new file with the name
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
@@ -296,6 +325,25 @@ class OutputWriter:
             self.failed.discard(key)
         for key, packed in done.items():
             done[key] = ~packed
+
+
+_LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+
+
+def _pack(line: int, offset: int, length: int) -> int:
+    return line << _LINE_SHIFT | offset << 32 | length
+
+
+def _line(packed: int) -> int:
+    return packed >> _LINE_SHIFT
+
+
+def _offset(packed: int) -> int:
+    return packed >> 32 & ((1 << (_LINE_SHIFT - 32)) - 1)
+
+
+def _length(packed: int) -> int:
+    return packed & 0xFFFFFFFF
 
 
 _writes_in_progress = 0

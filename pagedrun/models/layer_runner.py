@@ -35,6 +35,7 @@ from torch.nn.modules import module as nn_module
 from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.build import cpu as cpu_build
+from pagedrun.build.cache import load_library
 from pagedrun.models import ops
 
 SOURCE = cpu_build.KERNEL_DIR / "layer_runner_cpu.cpp"
@@ -78,7 +79,7 @@ class _Buffers(ctypes.Structure):
 
 class _Library:
     def __init__(self, so_path: Path) -> None:
-        lib = ctypes.CDLL(str(so_path))
+        lib = load_library(so_path)  # the very file the cache checked (build/cache.py)
         lib.run_decoder_layers.restype = ctypes.c_int
         lib.run_decoder_layers.argtypes = [_ptr] * 6
         self.run = lib.run_decoder_layers

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedrun.build import cpu as cpu_build
+from pagedrun.build.cache import load_library
 
 SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -36,7 +37,7 @@ class CpuModelOps:
     """The loaded library; each method returns the kernel's status (0 = done, < 0 = refused)."""
 
     def __init__(self, so_path) -> None:
-        lib = ctypes.CDLL(str(so_path))
+        lib = load_library(so_path)  # the very file the cache checked (build/cache.py)
         lib.linear_packed_f32.restype = _int
         lib.linear_packed_f32.argtypes = [_ptr] * 4 + [_i64] * 5 + [_int]
         lib.packed_panel_width.restype = _int

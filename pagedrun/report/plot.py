@@ -1,14 +1,20 @@
 """`--plot`: the KV blocks of a run over time, as a PNG (the matplotlib extra).
 
-Reads only what the engine recorded (its StepRecords and memory plan), like the report.
+Reads only what the engine recorded (its StepRecords and memory plan), like the report. The PNG is
+written like every file a run writes (io/file_safety.py): its path checked before the run and again
+here, then a temporary file renamed over it, never through a link.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from pagedrun.io.file_safety import check_plot, replace_file
 
-def plot_blocks(engine, path: Path) -> None:
-    """Blocks in use (and free blocks still cached) against capacity over time, preemptions marked."""
+
+def plot_blocks(engine, path: Path, out: Path | None = None, inputs: tuple[Path, ...] = ()) -> None:
+    """Blocks in use (and free blocks still cached) against capacity over time, preemptions marked.
+    `out`, `inputs`: the run's -o and input files, which the plot may not replace."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,5 +37,10 @@ def plot_blocks(engine, path: Path) -> None:
     ax.set_ylabel(f"KV blocks ({engine.memory.block_size} tokens)")
     ax.set_ylim(0, engine.memory.num_gpu_blocks * 1.08)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize="small", frameon=False)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
+    if out is not None:
+        check_plot(path, out, inputs)  # again: the run took a while, the path may have changed
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, png.getvalue())

@@ -14,13 +14,14 @@ import functools
 import torch
 
 from pagedrun.build import cpu as cpu_build
+from pagedrun.build.cache import load_library
 
 SOURCE = cpu_build.KERNEL_DIR / "argmax_cpu.cpp"
 
 
 class CpuArgmax:
     def __init__(self, so_path) -> None:
-        lib = ctypes.CDLL(str(so_path))
+        lib = load_library(so_path)  # the very file the cache checked (build/cache.py)
         lib.argmax_rows_f32.restype = ctypes.c_int
         lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
         lib.argmax_rows_bf16.restype = ctypes.c_int

@@ -27,7 +27,19 @@ def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
     words = (vocab_size + 31) // 32
     bitmask = torch.empty((len(grammars), words), dtype=torch.int32)
     for i, g in enumerate(grammars):
-        g.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+        if g.error is None:
+            try:
+                g.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+            except Exception as e:  # a limit of the grammar engine, met by this request alone
+                g.fail(e)
+            else:
+                if g.matcher.is_error():
+                    g.fail(g.matcher.get_error())
+                elif not bitmask[i].any() and not g.matcher.is_stopped():
+                    g.fail("no token can continue the grammar")
+        if g.error is not None:
+            # Any token: the row's draw stays finite, and the engine drops it with its request.
+            bitmask[i].fill_(-1)
     return bitmask
 
 

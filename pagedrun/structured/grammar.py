@@ -12,6 +12,14 @@ model's special tokens, so `<|im_start|>` and friends never appear inside constr
 The matcher of a sequence follows the sequence's output tokens: `Grammar.sync` compares the count
 it has accepted with the sequence's and rolls back or feeds the difference, so whatever the
 scheduler did (recompute, swap) no token is ever accepted twice or skipped.
+
+A grammar that compiles can still exceed the engine's limits while it runs (an Earley row of more
+than 2,000 items, a lexer that builds too many states for `a{1000000}`, a recursion that never
+closes): the matcher then refuses a token or computes no mask. Nothing here raises for that: the
+sequence's Grammar records why (`error`), its mask lets every token through so that the step stays
+finite, and the engine turns the request into an error record (engine/engine.py), the others run on.
+What can be checked up front is: a `choice` compiles to one lexer terminal, not an alternation of
+parser items, so every list the validator allows (MAX_CHOICES) stays inside the engine's row limit.
 """
 from __future__ import annotations
 
@@ -62,8 +70,10 @@ def compile_spec(spec: dict) -> tuple[str | None, str | None]:
             # \d and \w are ASCII, as in JSON Schema patterns (Rust's Unicode \d allows digits like 🯸).
             grammar = LLMatcher.grammar_from_lark("start: /" + llg.regex_to_lark(spec["regex"], "dw") + "/")
         elif kind == "choice":
-            # A Lark alternation of JSON-quoted literals (JSON string escapes are Lark's).
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec["choice"]))
+            # One terminal, an alternation of JSON-quoted literals (JSON string escapes are Lark's): the
+            # lexer matches it, so a long list never meets the parser's limit of 2,000 items per row.
+            grammar = LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: "
+                                                  + " | ".join(json.dumps(c) for c in spec["choice"]))
         else:
             from llguidance import grammar_from
 
@@ -85,36 +95,65 @@ def _short(msg: str) -> str:
 
 
 class Grammar:
-    """One sequence's matcher and how many of its output tokens it has accepted."""
+    """One sequence's matcher, how many of its output tokens it has accepted, and, once the grammar
+    engine gave up on it, why (then nothing more is fed to the matcher)."""
 
-    __slots__ = ("matcher", "num_accepted")
+    __slots__ = ("matcher", "num_accepted", "error")
 
-    def __init__(self, matcher: Any, num_accepted: int = 0):
+    def __init__(self, matcher: Any, num_accepted: int = 0, error: str | None = None):
         self.matcher = matcher
         self.num_accepted = num_accepted
+        self.error = error
 
-    def accept(self, token_id: int) -> None:
-        if not self.matcher.consume_token(token_id):
-            # The mask allowed only tokens the matcher accepts: reaching this is a bug, not bad input.
-            raise RuntimeError(f"grammar rejected token {token_id}: {self.matcher.get_error()}")
+    def fail(self, why: object) -> None:
+        if self.error is None:
+            text = why if isinstance(why, str) else (" ".join(str(why).split()) or type(why).__name__)
+            self.error = (f"structured_outputs: the grammar engine gave up on this request after "
+                          f"{self.num_accepted} output tokens: {_short(text.split('<state>')[0])}")
+
+    def accept(self, token_id: int) -> bool:
+        """Feed one token; False (and `error` set) when the engine refuses it: a limit met mid-run."""
+        if self.error is not None:
+            return False
+        try:
+            ok = self.matcher.consume_token(token_id)
+        except Exception as e:  # llguidance raises ValueError / RuntimeError with the reason
+            self.fail(e)
+            return False
+        if not ok:
+            self.fail(self.matcher.get_error() or f"token {token_id} refused")
+            return False
         self.num_accepted += 1
+        return True
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Bring the matcher to exactly the sequence's output tokens (rollback or feed the gap)."""
+        if self.error is not None:
+            return
         n = len(output_token_ids)
-        if self.num_accepted > n:
-            self.matcher.rollback(self.num_accepted - n)
-            self.num_accepted = n
-        while self.num_accepted < n:
-            self.accept(output_token_ids[self.num_accepted])
+        try:
+            if self.num_accepted > n:
+                self.matcher.rollback(self.num_accepted - n)
+                self.num_accepted = n
+        except Exception as e:
+            self.fail(e)
+            return
+        while self.num_accepted < n and self.accept(output_token_ids[self.num_accepted]):
+            pass
 
     def fork(self) -> Grammar:
-        return Grammar(self.matcher.deep_copy(), self.num_accepted)
+        if self.error is not None:
+            return Grammar(self.matcher, self.num_accepted, self.error)
+        try:
+            return Grammar(self.matcher.deep_copy(), self.num_accepted)
+        except Exception as e:
+            self.fail(e)
+            return Grammar(self.matcher, self.num_accepted, self.error)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
-        return self.matcher.is_stopped()
+        return self.error is None and self.matcher.is_stopped()
 
 
 class StructuredOutputManager:
@@ -155,6 +194,11 @@ class StructuredOutputManager:
     def get(self, seq_id: int) -> Grammar | None:
         return self.grammars.get(seq_id)
 
+    def error_of(self, seq_id: int) -> str | None:
+        """Why the grammar engine gave up on this sequence, or None."""
+        g = self.grammars.get(seq_id)
+        return g.error if g is not None else None
+
     def row_grammar(self, seq: Any) -> Grammar | None:
         """The grammar that masks this sequence's next token, at exactly its output tokens."""
         g = self.grammars.get(seq.seq_id)
@@ -169,10 +213,13 @@ class StructuredOutputManager:
         if g is None or seq.is_finished:
             return
         token = seq.token_ids[-1]
+        if g.error is not None:  # the engine fails the request (error_of)
+            return
         if g.is_terminated:  # nothing may follow (the mask allowed only the stop token)
             seq.finish("stop", None)
             return
-        g.accept(token)
+        if not g.accept(token):
+            return
         if token in self.eos_token_ids:  # allowed only where the grammar may end: it has ended
             seq.finish("stop", None)
 

@@ -33,6 +33,20 @@ from pagedrun.worker.populate import CachePopulator
 from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp8 scales are calibrated on this text (the first CALIBRATION_TOKENS of its tokens), whatever is asked.
+CALIBRATION_TEXT = ("The committee met on Tuesday to review the budget. After a long discussion of schools, "
+                    "roads and water, it voted to publish the full report, with its tables, next month.")
+CALIBRATION_TOKENS = 16
+
+
+def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
+    """The fixed calibration prompt's token ids (fixed ids within the vocabulary without a tokenizer)."""
+    ids: list[int] = []
+    if tokenizer is not None:
+        ids = [i for i in tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False) if 0 <= i < vocab_size]
+    if not ids:
+        ids = [(17 + 7919 * i) % vocab_size for i in range(CALIBRATION_TOKENS)]
+    return (ids * CALIBRATION_TOKENS)[:CALIBRATION_TOKENS]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,10 +91,29 @@ class Worker:
         cap_torch_memory(self.memory, self.device)
         self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
                                         threads=torch.get_num_threads())
-        self._scales_checked = self.cache_engine.layer_scales is None
         self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
                                   self.device, self.kv_groups.group_of(layers))
         self.sampler = Sampler(recipe.seed)
+        self._calibrate_fp8_scales()
+
+    def _calibrate_fp8_scales(self) -> None:
+        """fp8 layer scales the recipe leaves unset, from one fixed prompt run now: a function of the
+        model alone, never of which requests come first, the block count or a resume (each layer's
+        backend calibrates a still-unset scale on its first write, which is this prompt's). Where the
+        prompt cannot run (a cache smaller than its 16 tokens) the scale is 1.0, vLLM's
+        default without checkpoint scales."""
+        scales = self.cache_engine.layer_scales
+        if scales is None:
+            return
+        if bool((scales == 0).any()):
+            ids = calibration_ids(self.tokenizer, self.model_config.vocab_size)
+            blocks = -(-len(ids) // self.recipe.cache.block_size)
+            if len(ids) <= self.max_model_len and blocks <= self.memory.num_gpu_blocks:
+                self.populator.ensure(blocks)
+                self.runner.execute([ModelInput(ids, 0, list(range(blocks)), False)])
+            scales[scales == 0] = 1.0  # a layer the prompt could not reach (none, normally)
+        given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
+        check_scales(scales, "from the recipe" if given else "calibrated on a fixed prompt at start-up")
 
     def make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed)
@@ -104,10 +137,6 @@ class Worker:
             logits = self.runner.execute(model_inputs)
         except CUDA_OOM as e:
             raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in model_inputs), e) from None
-        if not self._scales_checked:  # fp8: every layer's scale was set by this first step's writes
-            given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
-            check_scales(self.cache_engine.layer_scales, "from the recipe" if given else "calibrated on the first step")
-            self._scales_checked = True
         if not rows:
             return None
         expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]

@@ -243,3 +243,30 @@ def test_the_writer_keeps_offsets_not_records_and_finalizes_from_a_generator(tmp
     w.close()
     w2 = OutputWriter(out, FP)  # the index of a resumed file points into it too
     assert w2.failed == {invalid_key(9)} and len(w2.done) == 5
+
+
+def test_finalize_orders_by_the_input_line_each_record_answers(tmp_path):
+    """No input is read at the end: records written now carry their line, a resume's are located."""
+    out = tmp_path / "out.jsonl"
+    w = opened(out)
+    w.write(rec(5), input_line=9)
+    w.write(rec(1), input_line=2)
+    w.close()  # interrupted
+    w = OutputWriter(out, FP)
+    w.locate(request_key("r5"), 9)  # what pass 1 does for the records a previous run left
+    w.locate(request_key("r1"), 2)
+    w.locate(request_key("nope"), 1)  # not in the file: nothing
+    w.open()
+    w.write(rec(3), input_line=7)
+    w.write(rec(0), invalid_key(1), input_line=1)
+    w.write(rec(8))  # no line known: after the others
+    w.finalize()
+    assert [r["id"] for r in lines(out)] == ["r0", "r1", "r3", "r5", "r8"]
+    w.close()
+
+
+def test_the_packed_index_keeps_lines_offsets_and_lengths_apart():
+    for line, offset, length in [(0, 0, 0), (1, 2**40, 5), (2**31, 2**48 - 1, 2**32 - 1), (7, 2**33, 2**20)]:
+        packed = outputs._pack(line, offset, length)
+        assert (outputs._line(packed), outputs._offset(packed), outputs._length(packed)) == (line, offset, length)
+        assert outputs._line(~(~packed)) == line

@@ -53,7 +53,7 @@ def test_requests_are_tokenized_in_a_bounded_window_and_match_an_up_front_run(ll
     assert ahead[0] < 40 // 2  # the first output came long before the file was tokenized
 
 
-def test_done_lines_are_skipped_and_the_order_is_reread_from_the_file(llm, tmp_path):
+def test_done_lines_are_skipped_and_their_input_lines_located(llm, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join([
         json.dumps({"id": "a", "prompt_token_ids": [5, 6]}),
@@ -62,17 +62,17 @@ def test_done_lines_are_skipped_and_the_order_is_reread_from_the_file(llm, tmp_p
         json.dumps({"id": "long", "prompt_token_ids": [5] * 80}),  # over max_model_len: found when tokenized
         json.dumps({"id": "b", "prompt_token_ids": [7]}),
     ]) + "\n")
-    done = {request_key("a")}
+    done = {request_key("a"), invalid_key(4)}  # "long" failed tokenization in an earlier run
+    located = []
     stream = stream_of(llm, prompts, skip_invalid=True)
-    stream.validate(done.__contains__)
+    stream.validate(done.__contains__, lambda key, line: located.append((key, line)))
+    assert located == [(request_key("a"), 1), (invalid_key(4), 4)]
+    done.discard(invalid_key(4))
     assert [b.line for b in stream.invalid] == [3]
-    assert (stream.num_lines, stream.num_pending) == (4, 2)  # "a" is done; "long" is not known bad yet
+    assert (stream.num_lines, stream.num_pending) == (4, 1)  # "a" and "long" have records: only "b" runs
     late = []
     assert [r.id for r in stream.requests(done.__contains__, late.append)] == ["b"]
     assert [(b.line, b.error.split(": ")[1]) for b in late] == [(4, "prompt_token_ids")]
-    done |= {invalid_key(3), invalid_key(4), request_key("b")}
-    assert list(stream.order(done.__contains__)) == [request_key("a"), invalid_key(3), invalid_key(4),
-                                                     request_key("b")]
 
 
 def test_without_skip_invalid_the_first_bad_line_stops_pass_one(llm, tmp_path):

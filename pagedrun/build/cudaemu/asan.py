@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pagedrun.build.cache import load_library
 from pagedrun.build.cudaemu.build import CXX, BuiltModule
 from pagedrun.build.cudaemu.errors import EmuError, EmuLaunchError
 from pagedrun.build.cudaemu.launch_cfg import LaunchCfg
@@ -126,7 +127,7 @@ def _child_main(argv: list[str]) -> int:
     tmp = argv[1]
     with open(os.path.join(tmp, "job.json")) as f:
         job = json.load(f)
-    lib = ctypes.CDLL(job["so"], mode=os.RTLD_LOCAL)
+    lib = load_library(Path(job["so"]), os.RTLD_LOCAL)  # the very file the cache checked
     launch = getattr(lib, f"cudaemu_launch_{job['index']}")
     launch.restype = ctypes.c_int
     launch.argtypes = [ctypes.POINTER(LaunchCfg), ctypes.c_void_p]

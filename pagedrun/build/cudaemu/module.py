@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pagedrun.build.cache import load_library
 from pagedrun.build.cudaemu.build import BuiltModule, build
 from pagedrun.build.cudaemu.errors import EmuDeadlockError, EmuError, EmuLaunchError
 from pagedrun.build.cudaemu.launch_cfg import LaunchCfg
@@ -213,9 +214,9 @@ class EmuModule:
             self._runner = AsanRunner(self.built)
             # Signatures and shared sizes come from the plain build (same kernels, same table).
             plain = build(code, self.name_expressions, self.options, None, filename)
-            self._lib = ctypes.CDLL(str(plain.so_path), mode=os.RTLD_LOCAL)
+            self._lib = load_library(plain.so_path, os.RTLD_LOCAL)
         else:
-            self._lib = ctypes.CDLL(str(self.built.so_path), mode=os.RTLD_LOCAL)
+            self._lib = load_library(self.built.so_path, os.RTLD_LOCAL)  # the very file the cache checked
         self._kernels: dict[str, EmuKernel] = {}
 
     @property
