@@ -110,7 +110,8 @@ class Worker:
             blocks = -(-len(ids) // self.recipe.cache.block_size)
             if len(ids) <= self.max_model_len and blocks <= self.memory.num_gpu_blocks:
                 self.populator.ensure(blocks)
-                self.runner.execute([ModelInput(ids, 0, list(range(blocks)), False)])
+                # Every KV cache group writes the same blocks: each layer reads only what it wrote.
+                self.runner.execute([ModelInput(ids, 0, [list(range(blocks))] * self.runner.num_groups, False)])
             scales[scales == 0] = 1.0  # a layer the prompt could not reach (none, normally)
         given = self.recipe.cache.k_scale is not None and self.recipe.cache.v_scale is not None
         check_scales(scales, "from the recipe" if given else "calibrated on a fixed prompt at start-up")

@@ -50,7 +50,7 @@ def test_bf16_roof_without_amx_is_the_faster_of_its_two_arithmetics(monkeypatch,
         fma_peak_has_amx = staticmethod(lambda: 0)
 
     monkeypatch.setattr(fma_peak.cpu_build, "build", lambda source: source)
-    monkeypatch.setattr(fma_peak.ctypes, "CDLL", lambda path: Lib())
+    monkeypatch.setattr(fma_peak, "load_library", lambda path: Lib())
     monkeypatch.setattr(fma_peak, "_best_rate", lambda lib, threads, bf16, seconds: dot if bf16 else fmas)
     m = fma_peak.measure("bfloat16", 2)
     assert m["flops_per_s"] == max(dot, fmas) and want in m["isa"] and m["bf16_dot"] is True

@@ -137,7 +137,7 @@ def test_runner_windows_and_groups_give_the_loops_hidden_states(tmp_path, dtype)
     runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
     for n, step in enumerate(GROUP_STEPS, 1):
         starts = [start for _, start in step]
-        inputs = [ModelInput(ids, start, table, sample=True)
+        inputs = [ModelInput(ids, start, [table], sample=True)
                   for (ids, start), table in zip(step, _group_tables(1, starts, 0))]
         ids, positions, meta_a = eng.worker.runner.build_metadata(inputs)
         meta_b = AttentionMetadata.build([len(ids) for ids, _ in step], starts, _group_tables(20, starts, WINDOW),
