@@ -12,7 +12,9 @@ Prints the median time of each, the K/V read rate (bytes the contexts hold / tim
 two produce the same bits. Timings alternate, so a drift of the machine weighs on both.
 
 A REF from before the window and softcap arguments (issue 37) is called without them; --window W
-(default 0) times sliding-window decode in both (REF must then take the arguments).
+(default 0) times sliding-window decode in both (REF must then take the arguments). --cpu-time
+(with --threads 1, where the kernel runs on the calling thread) times the thread's CPU time instead
+of wall time, which other processes' load on a shared machine inflates much less.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--cpu-time", action="store_true")
     args = ap.parse_args()
     dtype, code = DTYPES[args.dtype]
     bs, nseq = args.block_size, args.seqs
@@ -89,15 +92,19 @@ def main() -> None:
     outs = {name: [torch.empty(nseq, HEADS, HEAD_SIZE, dtype=dtype) for _ in range(LAYERS)] for name in fns}
     times: dict[str, list[float]] = {name: [] for name in fns}
 
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("decode_attention_ab: --cpu-time needs --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+
     def run(name: str) -> None:
-        fn, t = fns[name], time.perf_counter()
+        fn, t = fns[name], clock()
         for (q, k, v, table), out in zip(layers, outs[name]):
             rc = fn(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lens.data_ptr(),
                     nseq, HEADS, KV_HEADS, HEAD_SIZE, bs, num_blocks, stride, HEADS * HEAD_SIZE,
                     HEADS * HEAD_SIZE, HEAD_SIZE ** -0.5, code, args.threads, 0, None, None)
             if rc:
                 raise SystemExit(f"decode_attention_ab: paged_attention_decode returned {rc} ({name})")
-        times[name].append(time.perf_counter() - t)
+        times[name].append(clock() - t)
 
     for r in range(args.rounds):
         for name in (("ref", "tree") if r % 2 == 0 else ("tree", "ref")):

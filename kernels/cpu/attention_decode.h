@@ -313,28 +313,34 @@ inline void softcap_scores(float* __restrict s, int64_t n, float cap) {
 // One chunk of nr keys for `rows` query rows that see the same keys (heads of one GQA group, one
 // token; rows <= kMaxGroupRows), row j's query, scores, accumulator and running max / sum at
 // q + j * hd, s + j * kKeysPerChunk, acc + j * hd, m[j], l[j]: scores, online-softmax update, and
-// the weighted sum of V, each K and V row loaded once for all the rows. softcap > 0: the scores capped.
-template <int R, typename E>
+// the weighted sum of V, each K and V row loaded once for all the rows. Cap: the scores capped when
+// softcap > 0 (false: no test for it).
+template <int R, bool Cap, typename E>
 inline void attend_rows_r(const float* q, float* s, float* acc, float* m, float* l, float* p, const E* kp,
                           const E* vp, int64_t kstride, int64_t nr, int64_t hd, float softcap, Prefetcher* pf) {
   score_keysR<R>(q, hd, kp, kstride, nr, hd, s, kKeysPerChunk, pf);
-  if (softcap > 0.0f)
-    for (int j = 0; j < R; ++j) softcap_scores(s + j * kKeysPerChunk, nr, softcap);
+  if constexpr (Cap)
+    if (softcap > 0.0f)
+      for (int j = 0; j < R; ++j) softcap_scores(s + j * kKeysPerChunk, nr, softcap);
   for (int j = 0; j < R; ++j)
     softmax_chunk(s + j * kKeysPerChunk, nr, hd, m[j], l[j], acc + j * hd, p + j * kKeysPerChunk);
   weighted_sumR<R>(acc, hd, p, kKeysPerChunk, vp, kstride, nr, hd, pf);
 }
 
-template <typename E>
-inline void attend_rows(int rows, const float* q, float* s, float* acc, float* m, float* l, float* p, const E* kp,
-                        const E* vp, int64_t kstride, int64_t nr, int64_t hd, float softcap, Prefetcher* pf) {
+// Not inlined: a call per chunk costs nothing beside the chunk, and the function stays one block of code
+// whatever its callers around it (inlined, g++ laid the f32 decode loop out measurably slower).
+template <bool Cap, typename E>
+__attribute__((noinline)) void attend_rows(int rows, const float* q, float* s, float* acc, float* m, float* l,
+                                           float* p, const E* kp, const E* vp, int64_t kstride, int64_t nr,
+                                           int64_t hd, float softcap, Prefetcher* pf) {
   switch (rows) {
-    case 4: return attend_rows_r<4>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
-    case 3: return attend_rows_r<3>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
-    case 2: return attend_rows_r<2>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
+    case 4: return attend_rows_r<4, Cap>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
+    case 3: return attend_rows_r<3, Cap>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
+    case 2: return attend_rows_r<2, Cap>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
     default:  // a lone row: score_keys' groups of 8 keys keep more FMA chains than 4 x 1
       score_keys(q, kp, kstride, nr, hd, s, pf);
-      if (softcap > 0.0f) softcap_scores(s, nr, softcap);
+      if constexpr (Cap)
+        if (softcap > 0.0f) softcap_scores(s, nr, softcap);
       softmax_chunk(s, nr, hd, m[0], l[0], acc, p);
       weighted_sum(acc, p, vp, kstride, nr, hd, pf);
   }

@@ -96,8 +96,10 @@ inline int qk_vectors(int64_t n) {
 // belongs to token t = t0 + (r - r0) / group, which sees the chunk's keys [lo, hi) (at least one),
 // hi = min(n, vis + t), and lo = max(0, vis + t - window) under a window (else 0): the scores of the
 // other keys become -inf, so they weigh 0 in its softmax and in V (those keys are real, finite rows:
-// the chunk never reaches below the item's first key). softcap > 0: scores capped first.
+// the chunk never reaches below the item's first key). softcap > 0: scores capped first. Variant:
+// whether either is set (false: the full-attention rows, without even a test for them).
 // nv: vectors of keys to score (qk_vectors(n)); kt holds zeros in its columns [n, nv * kVec).
+template <bool Variant>
 inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group, int64_t vis, int64_t window,
                               float softcap, const float* qf, float* s, float* acc, float* m, float* l, float* p,
                               const float* kt, const float* vf, int64_t n, int nv, int64_t hd, Prefetcher* pf) {
@@ -107,10 +109,12 @@ inline void attend_rows_tiled(int64_t r0, int64_t r1, int64_t t0, int64_t group,
                              : qk_pass<kKeysPerChunk / kVec>(r, r1, qf, hd, kt, s);
     for (int j = 0; j < rb; ++j) {
       float* sr = s + (r + j) * kKeysPerChunk;
-      if (softcap > 0.0f) softcap_scores(sr, n, softcap);
       const int64_t seen = vis + t0 + (r + j - r0) / group;  // keys of the chunk up to the token's own
+      if constexpr (Variant) {
+        if (softcap > 0.0f) softcap_scores(sr, n, softcap);
+        for (int64_t c = 0, lo = window > 0 ? seen - window : 0; c < lo; ++c) sr[c] = -__builtin_inff();
+      }
       for (int64_t c = std::min<int64_t>(n, seen); c < n; ++c) sr[c] = -__builtin_inff();
-      for (int64_t c = 0, lo = window > 0 ? seen - window : 0; c < lo; ++c) sr[c] = -__builtin_inff();
       softmax_chunk(sr, n, hd, m[r + j], l[r + j], acc + (r + j) * hd, p + j * kKeysPerChunk);
     }
     for (int j = 0; j < rb; j += kMaxGroupRows)

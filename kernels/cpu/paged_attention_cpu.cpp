@@ -24,9 +24,10 @@
 // it is read (the hybrid KV manager leaves placeholders there: anything, NaN included); a token whose
 // window starts inside a chunk takes the chunk from there (read alone: its rows start at that key;
 // tiled: the scores before it become -inf, over real rows), and one whose window has left the chunk
-// skips it. Without a window all of this is a start index of 0 per item and per token: no per-key
-// test anywhere. Soft-capping (softcap > 0): every score becomes softcap * tanh(score / softcap)
-// before the online softmax (softcap_scores, or softmax_row32 on AMX).
+// skips it. No per-key test anywhere; and a call without window and softcap runs a copy of the item
+// loop (Variant = false) in which both are the constant 0, the full-attention code. Soft-capping
+// (softcap > 0): every score becomes softcap * tanh(score / softcap) before the online softmax
+// (softcap_scores, or softmax_row32 on AMX).
 //
 // Return value: 0 on success, negative when an argument is out of range (the caller falls back to
 // torch or raises); nothing is written in that case.
@@ -106,10 +107,13 @@ struct Scratch {
 
 // Rows of an item: r = ((h - kv0) * ntok + t) * group + g is token tok0 + t, query head h * group + g.
 // tiles: this thread's AMX tiles are configured (run_items), and a prefill item runs on them.
-template <typename T, typename KV>
-void attend_item(const Item& it, T* out, const T* query, const typename KV::E* key_cache,
-                 const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, Scratch& sc,
-                 const KV& kr, const KV& vr, bool tiles, const Item* next_item) {
+// Variant: the layer has a window or a softcap (sh.window, sh.softcap); false ignores both. Inlined into
+// run_items' loop, as g++ did by itself before there were two copies (out of line, f32 decode was slower).
+template <typename T, typename KV, bool Variant>
+__attribute__((always_inline)) inline void attend_item(
+    const Item& it, T* out, const T* query, const typename KV::E* key_cache, const typename KV::E* value_cache,
+    const int32_t* block_tables, const Shape& sh, Scratch& sc, const KV& kr, const KV& vr, bool tiles,
+    const Item* next_item) {
   using E = typename KV::E;
   const int64_t hd = sh.head_size, group = sh.num_heads / sh.num_kv_heads;
   const int64_t head_rows = it.ntok * group;  // rows per kv head
@@ -151,10 +155,14 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
   std::fill(l, l + rows, 0.0f);
 
   const int64_t end = it.pos0 + it.ntok;  // keys [start, end) are visible to some token of the tile
-  const int64_t start = first_key(it.pos0, sh.window), window = sh.window;
+  // Without the variant (Variant false) window and softcap are the constant 0: every bound below folds
+  // to the full-attention one when compiling, and that instantiation is the code without them.
+  const int64_t window = Variant ? sh.window : 0;
+  const float softcap = Variant ? sh.softcap : 0.0f;
+  const int64_t start = first_key(it.pos0, window);
   if (amx) {
 #ifdef PR_ATTENTION_AMX
-    attend_chunks_amx(it, start, window, sh.softcap, key_cache, value_cache, table, tok_stride, sh.block_size, group,
+    attend_chunks_amx(it, start, window, softcap, key_cache, value_cache, table, tok_stride, sh.block_size, group,
                       hd, sh.scale, sc.qb.data(), s, acc, m, l, *sc.chunk);
 #endif
   } else {
@@ -226,8 +234,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
           for (int64_t d = 0; d < hd; ++d)
             for (int64_t c = n; c < nv * kVec; ++c) kt[d * kKeysPerChunk + c] = 0.0f;
           const int64_t r0 = (h - it.kv0) * head_rows;
-          attend_rows_tiled(r0 + t_vis * group, r0 + t_end(n) * group, t_vis, group, vis, window, sh.softcap, qf, s,
-                            acc, m, l, p, kt, vf, n, nv, hd, &pf);
+          attend_rows_tiled<Variant>(r0 + t_vis * group, r0 + t_end(n) * group, t_vis, group, vis, window, softcap, qf,
+                                     s, acc, m, l, p, kt, vf, n, nv, hd, &pf);
           continue;
         }
         // One token at a time over the chunk's K and V rows, kstride elements apart: in place (float
@@ -242,8 +250,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
             // The group's rows up to kMaxGroupRows at a time (GQA 3:1 in one pass, 8:1 in two).
             for (const int64_t r_end = r + group; r < r_end;) {
               const int rows = int(std::min<int64_t>(kMaxGroupRows, r_end - r));
-              attend_rows(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p, kp + c0 * kstride,
-                          vp + c0 * kstride, kstride, nr - c0, hd, sh.softcap, &pf);
+              attend_rows<Variant>(rows, qf + r * hd, s + r * kKeysPerChunk, acc + r * hd, m + r, l + r, p,
+                                   kp + c0 * kstride, vp + c0 * kstride, kstride, nr - c0, hd, softcap, &pf);
               r += rows;
             }
           }
@@ -277,7 +285,8 @@ void attend_item(const Item& it, T* out, const T* query, const typename KV::E* k
       }
 }
 
-template <typename T, typename KV>
+// Variant: as attend_item's; one instantiation per call, so that the item loop inlines one of them.
+template <typename T, typename KV, bool Variant>
 void run_items(std::vector<Item>& items, T* out, const T* query, const typename KV::E* key_cache,
                const typename KV::E* value_cache, const int32_t* block_tables, const Shape& sh, int64_t max_rows,
                int num_threads, const KV& kr, const KV& vr) {
@@ -303,8 +312,8 @@ void run_items(std::vector<Item>& items, T* out, const T* query, const typename 
     // starts the current one, so the current one's last chunk can prefetch the next one's first.
     for (int64_t i = next.fetch_add(1); i < count;) {
       const int64_t j = next.fetch_add(1);
-      attend_item<T, KV>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr, tiles,
-                         j < count ? &items[j] : nullptr);
+      attend_item<T, KV, Variant>(items[i], out, query, key_cache, value_cache, block_tables, sh, sc, kr, vr, tiles,
+                                  j < count ? &items[j] : nullptr);
       i = j;
     }
 #ifdef PR_ATTENTION_AMX
@@ -365,8 +374,12 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
     }
   }
   using E = typename KV::E;
-  run_items<T, KV>(items, out, query, static_cast<const E*>(key_cache_), static_cast<const E*>(value_cache_),
-                   block_tables, sh, max_rows, num_threads, kr, vr);
+  const auto* kc = static_cast<const E*>(key_cache_);
+  const auto* vc = static_cast<const E*>(value_cache_);
+  if (sh.window > 0 || sh.softcap > 0.0f)
+    run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
+  else
+    run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   zero_rows<T>(out, query_start_loc[num_seqs], num_tokens, sh);
   return 0;
 }
@@ -388,9 +401,15 @@ int decode(void* out_, const void* query_, const void* key_cache_, const void* v
       items.push_back(Item{i, i, 1, len - 1, h, h + heads_per_item, (len - from) * heads_per_item});
   }
   using E = typename KV::E;
-  run_items<T, KV>(items, static_cast<T*>(out_), static_cast<const T*>(query_), static_cast<const E*>(key_cache_),
-                   static_cast<const E*>(value_cache_), block_tables, sh,
-                   heads_per_item * (sh.num_heads / sh.num_kv_heads), num_threads, kr, vr);
+  T* out = static_cast<T*>(out_);
+  const T* query = static_cast<const T*>(query_);
+  const auto* kc = static_cast<const E*>(key_cache_);
+  const auto* vc = static_cast<const E*>(value_cache_);
+  const int64_t max_rows = heads_per_item * (sh.num_heads / sh.num_kv_heads);
+  if (sh.window > 0 || sh.softcap > 0.0f)
+    run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
+  else
+    run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   return 0;
 }
 

@@ -12,7 +12,8 @@ the prefix length.
 Sliding window (window > 0, pagedrun/attention/backend.py): query j sees only the `window` keys up to
 its own position. The gather starts at the first key the step's first query sees, so the blocks wholly
 below it (placeholders with the hybrid KV manager: anything, NaN included) are never read. Soft-capped
-logits (softcap > 0) have no SDPA kernel: `attention` then computes the scores explicitly.
+logits (softcap > 0) have no SDPA kernel: `attention` then computes the scores explicitly, a prefill
+in chunks of query rows (SCORE_ELEMS).
 """
 from __future__ import annotations
 
@@ -81,22 +82,42 @@ def attention(qh, kh, vh, mask, scale: float, softcap: float = 0.0, is_causal: b
     return out.view(qh.shape).to(qh.dtype)
 
 
+# Explicit scores (softcap > 0) are computed for this many (head, query, key) triples at a time at most:
+# a long prompt's full [heads, n, seq_len] float32 scores would not fit the memory SDPA's kernels avoid.
+SCORE_ELEMS = 1 << 24
+
+
 def prefill_attention(q, k, v, context_len: int, scale: float, *, key_start: int = 0, window: int = 0,
                       softcap: float = 0.0) -> torch.Tensor:
     """q [n, heads, hd] at positions context_len.., k/v [context_len + n - key_start, kv_heads, hd]:
     the keys at positions key_start..context_len + n - 1."""
     n, num_keys = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
-    if context_len == 0 and key_start == 0 and window <= 0:
-        return attention(qh, kh, vh, None, scale, softcap, is_causal=True).transpose(0, 1)
-    # Query j sits at absolute position context_len + j and sees keys key_start..context_len + j
-    # (is_causal aligns the mask top-left, which is only right without a prefix), within the window.
-    q_pos = torch.arange(context_len, context_len + n, device=q.device)[:, None]
-    k_pos = torch.arange(key_start, key_start + num_keys, device=q.device)[None, :]
+    if softcap <= 0:
+        if context_len == 0 and key_start == 0 and window <= 0:
+            return attention(qh, kh, vh, None, scale, is_causal=True).transpose(0, 1)
+        mask = _mask(context_len, n, key_start, num_keys, window, q.device)
+        return attention(qh, kh, vh, mask, scale).transpose(0, 1)
+    # In chunks of query rows, each against the keys its rows see (under a window, at most rows + window).
+    rows = max(1, SCORE_ELEMS // (qh.shape[0] * num_keys))
+    outs = []
+    for i in range(0, n, rows):
+        r, pos = min(rows, n - i), context_len + i
+        lo, hi = max(first_key(pos, window), key_start) - key_start, pos + r - key_start
+        mask = _mask(pos, r, key_start + lo, hi - lo, window, q.device)
+        outs.append(attention(qh[:, i : i + r], kh[:, lo:hi], vh[:, lo:hi], mask, scale, softcap))
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def _mask(q_start: int, n: int, k_start: int, num_keys: int, window: int, device) -> torch.Tensor:
+    """[n, num_keys] bool: query j (position q_start + j) sees key i (position k_start + i): keys up to
+    its own (is_causal aligns the mask top-left, which is only right without a prefix), within the window."""
+    q_pos = torch.arange(q_start, q_start + n, device=device)[:, None]
+    k_pos = torch.arange(k_start, k_start + num_keys, device=device)[None, :]
     mask = k_pos <= q_pos
     if window > 0:
         mask &= k_pos > q_pos - window
-    return attention(qh, kh, vh, mask, scale, softcap).transpose(0, 1)
+    return mask
 
 
 def attend_prefills(out, query, key, value, key_cache, value_cache, block_tables, seqs: list[PrefillSeq],

@@ -10,6 +10,9 @@ then attention over each sequence's blocks, found through its block table.
 - Prefill tokens (query length > 1) go one sequence at a time through torch SDPA
   (pagedrun/attention/sdpa_prefill.py, shared with the CuPy backend); with a cached prefix
   (context_lens > 0) the causal mask is shifted by the context length.
+- A sliding window (window > 0) gathers each sequence's blocks from the one holding the first key
+  its first query sees, so the placeholders the hybrid KV manager leaves below it are never read;
+  a softcap computes the scores explicitly (sdpa_prefill.attention).
 
 On the CPU the fast path is the C++ kernel (kernels/cpu/paged_attention_cpu.cpp through
 pagedrun.attention.cpu_kernels, issue 8): one call per layer for every token of the step, reading K/V

@@ -170,3 +170,15 @@ def test_kernel_refuses_a_bad_variant(kern):
         assert kern.decode(out[:1], case.query[:1], case.key_cache, case.value_cache, m.block_tables[:1],
                            m.seq_lens[:1], case.scale, 1, **variant) < 0, variant
     assert torch.equal(out, torch.full_like(out, 7.0)), "a refused call must write nothing"
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_torch_softcap_prefill_in_row_chunks(monkeypatch, window):
+    """Explicit (soft-capped) scores go in chunks of query rows, each against the keys its rows see:
+    down to one row a chunk, the result is the oracle's."""
+    from pagedrun.attention import sdpa_prefill
+
+    monkeypatch.setattr(sdpa_prefill, "SCORE_ELEMS", 1)
+    case = Case([(0, 30), (21, 17), (3, 12), (40, 1)], 8, 4, 2, 64, seed=window, window=window, softcap=4.0)
+    case.placeholders()
+    case.check(use_cpu_kernel=False)
