@@ -156,8 +156,6 @@ class LlamaAttention(DirectCall, nn.Module):
         # reads the same two attributes.
         self.window = config.window_of(layer_idx)
         self.softcap = 0.0
-        # Passed to the backend only when set: backends that predate the keywords run full attention.
-        self.variant = {k: v for k, v in (("window", self.window), ("softcap", self.softcap)) if v}
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -192,7 +190,8 @@ class LlamaAttention(DirectCall, nn.Module):
         q, k = rotary(positions, q, k)
         # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
         key_cache, value_cache, *kv_scales = kv_cache
-        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, **self.variant)
+        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, window=self.window,
+                              softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

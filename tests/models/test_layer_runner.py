@@ -117,7 +117,6 @@ def _group_tables(base: int, starts: list[int], window: int) -> list[list[int]]:
 
 def _set_variant(attn, window: int, softcap: float) -> None:
     attn.window, attn.softcap = window, softcap
-    attn.variant = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -380,7 +380,7 @@ def test_sliding_window_greedy_matches_hf(tmp_path, use_cpu_kernel):
     (theirs / "config.json").write_text(json.dumps(cfg))
     model, config = load_model(ours, torch.float32, "cpu")
     for layer in model.model.layers:
-        layer.self_attn.window, layer.self_attn.variant = window, {"window": window}
+        layer.self_attn.window = window
     prompts = random_prompts(config.vocab_size, [11, 5, 1, 17], seed=5)
     backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     got, got_logits = paged_greedy(model, config, prompts, 8, 4, shuffle=True, backend=backend)
