@@ -316,6 +316,7 @@ class LLMEngine:
             swap_in_blocks=len(out.blocks_to_swap_in),
             swap_out_blocks=len(out.blocks_to_swap_out),
             num_finished=num_finished,
+            blocks_per_group=list(getattr(self.kv, "held", ())),
             **self._occupancy(),
         ))
 

@@ -51,6 +51,16 @@ class HybridKVCacheManager:
         ]
         self.watermark_blocks = self.managers[0].watermark_blocks
         self.has_window = any(g.window for g in groups.groups)
+        # Device blocks each group holds now. A block belongs to one group at a time and every
+        # operation below is one group's, so the change of the pool's free count across a group's
+        # operation is the change of what that group holds (the report's per-group figure).
+        self.held = [0] * len(self.managers)
+
+    def _on(self, g: int, fn, *args):
+        before = self.gpu_pool.num_free_blocks
+        result = fn(*args)
+        self.held[g] += before - self.gpu_pool.num_free_blocks
+        return result
 
     # ------------------------------------------------------------------ queries
     @property
@@ -88,7 +98,8 @@ class HybridKVCacheManager:
         return self.gpu_pool.num_cached_free_blocks
 
     def num_used_blocks_per_group(self) -> list[int]:
-        """Distinct device blocks each group's tables hold now (the report's per-group figure)."""
+        """Distinct device blocks each group's tables hold, counted by walking them (what `held`
+        keeps as it goes; check_invariants compares the two)."""
         return [len({b for sid, t in m._tables.items() if sid not in m._swapped for b in t.live_block_ids})
                 for m in self.managers]
 
@@ -147,10 +158,10 @@ class HybridKVCacheManager:
         if free_after < 0:
             raise NoFreeBlocksError(f"allocate seq {seq_id}: needs {-free_after} more blocks than are free")
         # Every group touches its hits before any takes new blocks, which could evict them.
-        for m, (blocks, _) in zip(self.managers, hits):
-            m.touch_hits(token_ids, blocks)
-        cached = [m.allocate_with_hits(seq_id, token_ids, blocks, hashes, touched=True)
-                  for m, (blocks, hashes) in zip(self.managers, hits)]
+        for g, (m, (blocks, _)) in enumerate(zip(self.managers, hits)):
+            self._on(g, m.touch_hits, token_ids, blocks)
+        cached = [self._on(g, m.allocate_with_hits, seq_id, token_ids, blocks, hashes, True)
+                  for g, (m, (blocks, hashes)) in enumerate(zip(self.managers, hits))]
         return min(cached)
 
     # ------------------------------------------------------------------ growth
@@ -179,23 +190,24 @@ class HybridKVCacheManager:
         if need > self.gpu_pool.num_free_blocks:
             return None
         pairs: list[tuple[int, int]] = []
-        for m, n in zip(self.managers, counts):
-            pairs.extend(m.try_append_slots(seq_id, n) or ())
+        for g, (m, n) in enumerate(zip(self.managers, counts)):
+            pairs.extend(self._on(g, m.try_append_slots, seq_id, n) or ())
         return pairs
 
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> int:
-        return sum(m.remove_skipped_blocks(seq_id, num_computed_tokens) for m in self.managers)
+        return sum(self._on(g, m.remove_skipped_blocks, seq_id, num_computed_tokens)
+                   for g, m in enumerate(self.managers))
 
     def blocks_to_finish(self, prompt_len: int, num_tokens: int, n: int) -> int:
         return sum(m.blocks_to_finish(prompt_len, num_tokens, n) for m in self.managers)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        for m in self.managers:
-            m.fork(parent_seq_id, child_seq_id)
+        for g, m in enumerate(self.managers):
+            self._on(g, m.fork, parent_seq_id, child_seq_id)
 
     def free(self, seq_id: int) -> None:
-        for m in self.managers:
-            m.free(seq_id)
+        for g, m in enumerate(self.managers):
+            self._on(g, m.free, seq_id)
 
     # ------------------------------------------------------------------ swap
     def _num_unique(self, seq_ids: list[int], swapped: bool) -> int:
@@ -208,7 +220,7 @@ class HybridKVCacheManager:
         need = self._num_unique(seq_ids, swapped=False)
         if need > self.cpu_pool.num_free_blocks:
             raise NoFreeBlocksError(f"swap_out: needs {need} CPU blocks, {self.cpu_pool.num_free_blocks} free")
-        return [pair for m in self.managers for pair in m.swap_out(seq_ids)]
+        return [pair for g, m in enumerate(self.managers) for pair in self._on(g, m.swap_out, seq_ids)]
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
         free_after = self.gpu_pool.num_free_blocks - self._num_unique(seq_ids, swapped=True)
@@ -218,7 +230,7 @@ class HybridKVCacheManager:
         need = self._num_unique(seq_ids, swapped=True)
         if need > self.gpu_pool.num_free_blocks:
             raise NoFreeBlocksError(f"swap_in: needs {need} GPU blocks, {self.gpu_pool.num_free_blocks} free")
-        return [pair for m in self.managers for pair in m.swap_in(seq_ids)]
+        return [pair for g, m in enumerate(self.managers) for pair in self._on(g, m.swap_in, seq_ids)]
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -228,6 +240,9 @@ class HybridKVCacheManager:
         for i, m in enumerate(self.managers[1:], 1):
             if set(m._tables) != set(tokens):
                 raise invariants.InvariantError(f"groups: group {i} holds other sequences than group 0")
+        if self.held != self.num_used_blocks_per_group():
+            raise invariants.InvariantError(f"groups: held counts {self.held} are not the tables' "
+                                            f"{self.num_used_blocks_per_group()}")
 
     def snapshot(self) -> tuple:
         return tuple(m.snapshot() for m in self.managers)

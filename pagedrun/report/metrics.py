@@ -44,6 +44,7 @@ class StepRecord:
     # Sliding-window groups (kv/hybrid.py): table entries of the running sequences whose blocks the
     # window gave back; with every block kept they would be blocks in use too.
     blocks_left_window: int = 0
+    blocks_per_group: list[int] = field(default_factory=list)  # device blocks each KV cache group holds
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -129,6 +129,8 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
             "blocks_freed_by_window": engine.kv.stats.window_freed_blocks,
             "tokens_freed_by_window": engine.kv.stats.window_freed_blocks * bs,
             "peak_blocks_in_use": peak_blocks,
+            "peak_blocks_per_group": [max(col) for col in zip(*(s.blocks_per_group for s in steps))]
+            if steps and steps[0].blocks_per_group else [],
             "peak_blocks_every_block_kept": max(kept, default=0),
             "max_concurrency": m.max_concurrency,
             "max_concurrency_every_block_kept": m.max_concurrency_without_hybrid,
@@ -183,6 +185,8 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "hybrid_kv.blocks_freed_by_window": (M, "blocks sliding-window groups gave back as the window moved on"),
     "hybrid_kv.tokens_freed_by_window": (D, "blocks_freed_by_window x block_size"),
     "hybrid_kv.peak_blocks_in_use": (M, "= blocks_in_use.peak"),
+    "hybrid_kv.peak_blocks_per_group": (M, "max over steps of the device blocks each KV cache group held, "
+                                           "in the order of hybrid_kv.groups"),
     "hybrid_kv.peak_blocks_every_block_kept": (D, "max over steps of blocks in use + table entries the window "
                                                   "gave back (what keeping every block would have held)"),
     "hybrid_kv.max_concurrency": (D, "the memory plan's, at max_model_len, with the window's frees"),
@@ -319,10 +323,14 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
          f"peak {c['peak_tokens']:,} tokens ({_mib(c['peak_bytes'])}, utilisation {_pct(c['utilisation'])}) "
          f"at prompt+max_tokens; {cm['peak_tokens']:,} tokens ({_mib(cm['peak_bytes'])}, "
          f"{_pct(cm['utilisation'])}) at max_model_len={report['contiguous']['max_model_len_tokens']}; "
-         f"paged peak {b['peak'] * cap['block_size']:,} tokens"),
+         # In bytes as well: with KV cache groups a paged block holds fewer layers than a token of
+         # the contiguous cache, so tokens alone would not compare.
+         f"paged peak {b['peak'] * cap['block_size']:,} block slots "
+         f"({_mib(b['peak'] * cap['bytes'] / cap['blocks'] if cap['blocks'] else 0)})"),
         *([("hybrid KV", f"{len(report['hybrid_kv']['groups'])} groups; the window freed "
                          f"{report['hybrid_kv']['tokens_freed_by_window']:,} tokens' blocks; peak "
-                         f"{report['hybrid_kv']['peak_blocks_in_use']:,} blocks, "
+                         f"{report['hybrid_kv']['peak_blocks_in_use']:,} blocks (by group "
+                         f"{', '.join(map(str, report['hybrid_kv']['peak_blocks_per_group']))}), "
                          f"{report['hybrid_kv']['peak_blocks_every_block_kept']:,} with every block kept; "
                          f"max concurrency {report['hybrid_kv']['max_concurrency']:.2f}x "
                          f"({report['hybrid_kv']['max_concurrency_every_block_kept']:.2f}x)")]
