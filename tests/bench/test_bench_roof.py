@@ -4,6 +4,7 @@ docs/results.md)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from tiny_models import make_tiny_model
@@ -115,7 +116,7 @@ def test_kv_bytes_per_token_from_config():
 
 
 def test_vllm_engine_without_its_interpreter_is_one_line(tmp_path):
-    from pagedrun.bench.vllm import check_python
+    from pagedrun.bench.vllm_peer import check_python
 
     with pytest.raises(PagedrunError, match="needs --vllm-python.*vllm_cpu_venv.sh"):
         check_python(None)
@@ -138,3 +139,21 @@ def test_tiny_model_in_an_unwritable_cache_is_one_line(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(PagedrunError, match="cannot write the tiny model.*PAGEDRUN_CACHE"):
         tiny_llama_dir(blocker / "cache")
+
+
+def test_nothing_beside_the_vllm_worker_hides_what_it_imports():
+    """The worker runs by path, so its folder is first on vLLM's sys.path: a module there named like
+    a package it imports (bench/vllm.py once) is imported instead, and the vLLM peer cannot start."""
+    import ast
+
+    from pagedrun.bench import vllm_worker
+
+    folder = Path(vllm_worker.__file__).parent
+    imported = set()
+    for node in ast.walk(ast.parse(Path(vllm_worker.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.split(".")[0])
+    assert "vllm" in imported
+    assert not [m for m in imported if (folder / f"{m}.py").exists() or (folder / m).is_dir()]
