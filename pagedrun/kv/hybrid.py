@@ -25,14 +25,14 @@ from pagedrun.kv import invariants
 from pagedrun.kv.block_pool import BlockPool, NoFreeBlocksError
 from pagedrun.kv.groups import KVCacheGroups
 from pagedrun.kv.hashing import HashFn
-from pagedrun.kv.manager import KVCacheManager
+from pagedrun.kv.manager import KVCacheManager, PoolCounts
 from pagedrun.kv.stats import KVStats
 
 # Counters that count sequences or prompt tokens, the same in every group: read from the first.
 _PER_SEQUENCE = ("prefix_query_tokens", "prefix_hit_tokens", "allocations", "forks", "frees")
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolCounts):
     def __init__(self, groups: KVCacheGroups, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01, hash_fn: Optional[HashFn] = None,
                  max_chunk: Optional[int] = None):
@@ -76,26 +76,6 @@ class HybridKVCacheManager:
             else:
                 setattr(out, name, sum(getattr(m.stats, name) for m in self.managers))
         return out
-
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        return self.gpu_pool.num_free_blocks
-
-    @property
-    def num_gpu_blocks_touched(self) -> int:
-        return self.gpu_pool.num_blocks_touched
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu_pool.num_free_blocks
-
-    @property
-    def num_used_gpu_blocks(self) -> int:
-        return self.num_gpu_blocks - self.gpu_pool.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return self.gpu_pool.num_cached_free_blocks
 
     def num_used_blocks_per_group(self) -> list[int]:
         """Distinct device blocks each group's tables hold, counted by walking them (what `held`

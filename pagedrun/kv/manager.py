@@ -35,7 +35,37 @@ from pagedrun.kv.stats import KVStats
 __all__ = ["KVCacheManager", "KVStats", "NoFreeBlocksError", "InvariantError"]
 
 
-class KVCacheManager:
+class PoolCounts:
+    """What the scheduler and the report read of the pools (gpu_pool, cpu_pool, num_gpu_blocks):
+    shared by one group's manager and the coordinator of several (kv/hybrid.py)."""
+
+    gpu_pool: BlockPool
+    cpu_pool: BlockPool
+    num_gpu_blocks: int
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self.gpu_pool.num_free_blocks
+
+    @property
+    def num_gpu_blocks_touched(self) -> int:
+        """Blocks [0, n) have been handed out at least once (their memory has been written)."""
+        return self.gpu_pool.num_blocks_touched
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.num_gpu_blocks - self.gpu_pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.gpu_pool.num_cached_free_blocks
+
+
+class KVCacheManager(PoolCounts):
     def __init__(
         self,
         num_gpu_blocks: int,
@@ -82,27 +112,6 @@ class KVCacheManager:
         self._progress: dict[int, CacheProgress] = {}
 
     # ------------------------------------------------------------------ queries
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        return self.gpu_pool.num_free_blocks
-
-    @property
-    def num_gpu_blocks_touched(self) -> int:
-        """Blocks [0, n) have been handed out at least once (their memory has been written)."""
-        return self.gpu_pool.num_blocks_touched
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu_pool.num_free_blocks
-
-    @property
-    def num_used_gpu_blocks(self) -> int:
-        return self.num_gpu_blocks - self.gpu_pool.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return self.gpu_pool.num_cached_free_blocks
-
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._tables
 

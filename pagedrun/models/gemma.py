@@ -35,14 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrun.attention.backend import AttentionBackend
-from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, per_layer
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import (
     DirectCall,
     GateUpLinear,
     Linear,
+    LlamaAttention,
     LlamaForCausalLM,
     RotaryEmbedding,
     VocabEmbedding,
@@ -74,9 +73,11 @@ class GeGLULinear(GateUpLinear):
         return ops.gelu_tanh_and_mul(F.linear(x, self.weight, self.bias))
 
 
-class GemmaAttention(DirectCall, nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention (its forward) with Gemma's scale, soft-cap, q/k norms and RoPE choice."""
+
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
-        super().__init__()
+        super(LlamaAttention, self).__init__()  # nn.Module's: the fields are all set here
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -95,28 +96,6 @@ class GemmaAttention(DirectCall, nn.Module):
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: tuple[torch.Tensor, ...],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        key_cache, value_cache, *kv_scales = kv_cache
-        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales,
-                              window=self.window, softcap=self.softcap)
-        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class GemmaMLP(DirectCall, nn.Module):
@@ -188,28 +167,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
                              persistent=False)
         self.layer_runner = None  # set once the weights are packed (LlamaForCausalLM's processing)
 
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: StepMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states."""
-        h, residual = self.model.embed_tokens(input_ids) * self.normalizer, None
-        metas = per_layer(meta, len(self.model.layers))
-        # The same layers in one C call where every op would run its CPU kernel (layer_runner.py).
-        done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, metas, backend)
-        if done:
-            h, residual = done
-        else:
-            self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
-            self.local_rotary_emb.step_rows.clear()
-            for i, (layer, kv_cache, layer_meta) in enumerate(zip(self.model.layers, kv_caches, metas, strict=True)):
-                h, residual = layer(positions, h, residual, self.rotary_of(i), kv_cache, layer_meta, backend)
-        return self.model.norm(h, residual)[0]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) * self.normalizer
+
+    def rotaries(self) -> tuple[RotaryEmbedding, ...]:
+        return (self.rotary_emb, self.local_rotary_emb)
 
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         """The RoPE of a layer: Gemma 3's sliding layers have their own (the layer runner asks too)."""

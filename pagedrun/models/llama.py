@@ -285,17 +285,28 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states. `meta`: one
         AttentionMetadata for all layers, or one per layer (the hybrid KV manager's groups)."""
-        h, residual = self.model.embed_tokens(input_ids), None
+        h, residual = self.embed(input_ids), None
         metas = per_layer(meta, len(self.model.layers))
         # The same layers in one C call where every op would run its CPU kernel (layer_runner.py).
         done = self.layer_runner and self.layer_runner.run(h, positions, kv_caches, metas, backend)
         if done:
             h, residual = done
         else:
-            self.rotary_emb.step_rows.clear()  # rows of the tables for this call's positions only
-            for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
-                h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, layer_meta, backend)
+            for rotary in self.rotaries():
+                rotary.step_rows.clear()  # rows of the tables for this call's positions only
+            for i, (layer, kv_cache, layer_meta) in enumerate(zip(self.model.layers, kv_caches, metas, strict=True)):
+                h, residual = layer(positions, h, residual, self.rotary_of(i), kv_cache, layer_meta, backend)
         return self.model.norm(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def rotaries(self) -> tuple[RotaryEmbedding, ...]:
+        return (self.rotary_emb,)
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        """The RoPE of a layer (one for all here; Gemma 3's sliding layers have their own)."""
+        return self.rotary_emb
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
