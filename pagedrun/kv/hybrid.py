@@ -107,9 +107,15 @@ class HybridKVCacheManager(PoolCounts):
 
     # ------------------------------------------------------------------ prefix cache
     def _hits(self, token_ids: Sequence[int]):
+        """Every group's hit, of one length: the longest all of them have. A sliding group's hit of
+        h blocks is not a prefix of its hit of h + 1 (each needs its own window's blocks), so a
+        shorter hit elsewhere means searching it again, up to that length, until all agree."""
         found = [m.find_hits(token_ids) for m in self.managers]
         n = min(len(blocks) for blocks, _ in found)
-        return [(blocks[:n], hashes[:n]) for blocks, hashes in found]
+        while any(len(blocks) != n for blocks, _ in found):
+            found = [m.find_hits(token_ids, n) for m in self.managers]
+            n = min(len(blocks) for blocks, _ in found)
+        return found
 
     def get_num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return len(self._hits(token_ids)[0][0]) * self.block_size

@@ -29,7 +29,7 @@ from pagedrun.kv.block_pool import BlockPool, InvariantError, KVCacheBlock, NoFr
 from pagedrun.kv.block_table import NULL_BLOCK, BlockTable
 from pagedrun.kv.groups import group_blocks
 from pagedrun.kv.hashing import HashFn, hash_block_tokens
-from pagedrun.kv.prefix_cache import CacheProgress, cache_blocks, find_longest_cache_hit
+from pagedrun.kv.prefix_cache import CacheProgress, cache_blocks, find_longest_cache_hit, find_window_hit
 from pagedrun.kv.stats import KVStats
 
 __all__ = ["KVCacheManager", "KVStats", "NoFreeBlocksError", "InvariantError"]
@@ -101,6 +101,9 @@ class KVCacheManager(PoolCounts):
         self.window = window
         self.max_chunk = max_chunk
         base_hash: HashFn = hash_fn if hash_fn is not None else hash_block_tokens
+        # A sliding group's right-to-left search matches its window's first block by hash alone:
+        # only with the SHA-256 chain (an injected weak hash keeps the left-to-right search).
+        self._strong_hash = base_hash is hash_block_tokens
         # Groups share one pool and one hash map: another group's entry for the same tokens holds
         # other layers' K/V, so each group > 0 salts its hashes with its index.
         self.hash_fn: HashFn = base_hash if group_id == 0 else _salted(base_hash, ("kv_group", group_id))
@@ -160,10 +163,17 @@ class KVCacheManager(PoolCounts):
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
-    def _find_cached_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any]]:
+    def _find_cached_blocks(self, token_ids: Sequence[int], max_blocks: Optional[int] = None
+                            ) -> tuple[list[Any], list[Any]]:
         if not self.enable_prefix_caching:
             return [], []
-        return find_longest_cache_hit(self.gpu_pool, self.hash_fn, self.block_size, token_ids)
+        if self.window and self._strong_hash:
+            limit = len(token_ids) if max_blocks is None else max_blocks
+            return find_window_hit(self.gpu_pool, self.hash_fn, self.block_size, token_ids, self.window, limit)
+        hits, hashes = find_longest_cache_hit(self.gpu_pool, self.hash_fn, self.block_size, token_ids)
+        if max_blocks is not None:
+            hits, hashes = hits[:max_blocks], hashes[:max_blocks]
+        return hits, hashes
 
     def get_num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         hits, _ = self._find_cached_blocks(token_ids)
@@ -190,11 +200,12 @@ class KVCacheManager(PoolCounts):
         return self.gpu_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ admission
-    def find_hits(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], list[Any]]:
-        """The leading prefix-cache hits of a prompt in this group (blocks, hashes); changes nothing."""
+    def find_hits(self, token_ids: Sequence[int], max_blocks: Optional[int] = None) -> tuple[list[Any], list[Any]]:
+        """The leading prefix-cache hits of a prompt in this group, at most max_blocks (blocks,
+        hashes; a sliding group's blocks below the window are None); changes nothing."""
         if len(token_ids) == 0:
             raise ValueError("cannot allocate a sequence with no tokens")
-        return self._find_cached_blocks(token_ids)
+        return self._find_cached_blocks(token_ids, max_blocks)
 
     def plan_allocate(self, token_ids: Sequence[int], hits: list[KVCacheBlock]) -> tuple[int, int, int]:
         """(blocks taken out of the free queue by allocate with these hits, new blocks among them,

@@ -55,6 +55,50 @@ def find_longest_cache_hit(pool: BlockPool, hash_fn: HashFn, block_size: int,
     return hits, hashes
 
 
+def find_window_hit(pool: BlockPool, hash_fn: HashFn, block_size: int, token_ids: Sequence[int], window: int,
+                    max_blocks: int) -> tuple[list[Optional[KVCacheBlock]], list[Any]]:
+    """A sliding-window group's longest hit of at most max_blocks blocks, searched right to left
+    (vLLM's SlidingWindowManager): a hit of h blocks needs only the blocks the query at position
+    h x block_size still sees, so it survives the eviction of the blocks below the window, which
+    the left-to-right search cannot cross. Returns (blocks, hashes) for blocks 0..h-1, None where a
+    block is below the window. Changes nothing.
+
+    The window's blocks chain to each other through their parents; the first of them is matched by
+    its chained hash and token ids alone (its parent may be gone), so this search is only sound with
+    a collision-resistant hash (the SHA-256 chain: hashing.py), as vLLM's is."""
+    bs = block_size
+    max_blocks = min(max_blocks, (len(token_ids) - 1) // bs)
+    hashes: list[Any] = []
+    parent_hash = None
+    for i in range(max_blocks):
+        parent_hash = hash_fn(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]), None)
+        hashes.append(parent_hash)
+    h = max_blocks
+    while h > 0:
+        first = max(0, h * bs - window + 1) // bs  # the window of the query at position h x bs
+        found: list[KVCacheBlock] = []
+        for k in range(first, h):
+            blk = tuple(token_ids[k * bs : (k + 1) * bs])
+            parent = found[-1] if found else None
+            block = (pool.get_cached_block(hashes[k], blk, parent) if parent is not None or k == 0
+                     else _match_unchained(pool, hashes[k], blk))
+            if block is None:
+                break
+            found.append(block)
+        if len(found) == h - first:
+            return [None] * first + found, hashes[:h]
+        h = first + len(found)  # block first + len(found) missed: no hit reaches past it
+    return [], []
+
+
+def _match_unchained(pool: BlockPool, block_hash: Any, token_ids: tuple[int, ...]) -> Optional[KVCacheBlock]:
+    """The cached block for a hash whose parent is no longer known: hash and token ids must match."""
+    if not pool.enable_caching:
+        return None
+    block = pool.cached_block_hash_to_block.get(block_hash)
+    return block if block is not None and block.token_ids == token_ids else None
+
+
 def cache_blocks(pool: BlockPool, hash_fn: HashFn, table: BlockTable, prog: CacheProgress,
                  token_ids: Sequence[int], num_computed_tokens: int) -> None:
     """Register the table's full blocks within the first num_computed_tokens; advances prog."""

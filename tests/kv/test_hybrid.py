@@ -181,6 +181,7 @@ class Driver:
         self.cache = [dict() for _ in windows_of_groups]  # group -> slot -> prefix tuple
         self.cpu = [dict() for _ in windows_of_groups]
         self.seqs: dict[int, dict] = {}  # seq id -> tokens, computed, swapped
+        self.seen: list[tuple[int, ...]] = []  # prompts admitted so far
         self.next_id = 0
 
     def tables(self, sid):
@@ -188,6 +189,9 @@ class Driver:
 
     def admit(self):
         prompt = [self.rng.randrange(3) for _ in range(self.rng.randrange(1, 30))]
+        if self.seen and self.rng.random() < 0.5:  # an earlier prompt again, or longer: prefix hits
+            prompt = list(self.rng.choice(self.seen)) + prompt[: self.rng.randrange(3)]
+        self.seen.append(tuple(prompt))
         if not self.kv.can_allocate(prompt):
             return
         sid, self.next_id = self.next_id, self.next_id + 1
@@ -287,3 +291,30 @@ def test_random_operations_keep_every_window_readable(seed, layout):
         kv.free(sid)
     kv.check_invariants()
     assert kv.num_free_gpu_blocks == kv.num_gpu_blocks
+
+
+def test_a_sliding_hit_survives_the_eviction_of_the_blocks_below_its_window():
+    """Right to left (vLLM's sliding-window search): after the blocks below the window are evicted,
+    the same prompt still hits its whole length in the sliding group, holding only the window's
+    blocks; left to right (a weak injected hash) it cannot cross the gap."""
+    for hash_fn, want in ((None, 20), (lambda parent, toks, extra: hash((parent, tuple(toks), extra)), 0)):
+        kv = KVCacheManager(16, 4, window=8, max_chunk=64, watermark=0, hash_fn=hash_fn)
+        prompt = list(range(100, 121))  # 21 tokens: a hit covers at most 20
+        kv.allocate(0, prompt)
+        kv.append_slots(0, 21)
+        kv.cache_blocks(0, prompt, 21)
+        kv.remove_skipped_blocks(0, 21)  # blocks 0-2 (positions 0-11) leave the window: freed, hashed
+        kv.free(0)
+        # The free queue: block 5 (never filled), the 10 never used, then 2, 1, 0 (freed by the
+        # window), then 4, 3 (freed at the end). 14 new blocks evict 2, 1, 0 and keep 4 and 3.
+        kv.allocate(1, [7] * 56)
+        kv.append_slots(1, 56)
+        assert kv.stats.evictions == 3
+        assert kv.get_num_cached_tokens(prompt) == want
+        kv.check_invariants()
+        kv.free(1)
+        if want:
+            assert kv.allocate(2, prompt) == 20
+            table = kv._tables[2]
+            assert table.num_null == (20 - 8 + 1) // 4 and table.num_tokens == 20
+            kv.check_invariants()
