@@ -55,16 +55,16 @@ def main() -> None:
     # The stages are timed in the Python layer loop; the layer runner (models/layer_runner.py) makes
     # the same kernel calls from C, where no wrapper sees them, so it is off here. Without it the
     # loop's own Python shows up as the model step's unattributed part.
-    eng.model.layer_runner = None
+    eng.worker.model.layer_runner = None
     eng.scheduler.schedule = timed("scheduler", eng.scheduler.schedule)
-    eng.runner.build_metadata = timed("metadata", eng.runner.build_metadata)
-    eng.sampler.__class__.__call__ = timed("sampler", eng.sampler.__class__.__call__)
+    eng.worker.runner.build_metadata = timed("metadata", eng.worker.runner.build_metadata)
+    eng.worker.sampler.__class__.__call__ = timed("sampler", eng.worker.sampler.__class__.__call__)
     eng._record = timed("metrics record", eng._record)
     # The kernel committing KV-cache pages ahead of first use (worker/populate.py): 0.14-1.1 s of the
     # default model's standard run on a KVM guest, depending on whether the host still backs them.
-    eng.populator.ensure = timed("kv pages committed", eng.populator.ensure)
+    eng.worker.populator.ensure = timed("kv pages committed", eng.worker.populator.ensure)
     torch_backend.reshape_and_cache = timed("cache writes", torch_backend.reshape_and_cache)
-    backend_cls = type(eng.backend)
+    backend_cls = type(eng.worker.backend)
     orig_forward = backend_cls.forward
     backend_cls.forward = timed("attention (incl. cache writes)", orig_forward)
 
@@ -90,16 +90,16 @@ def main() -> None:
                 timers["linear layers (matmul)"] += dt
                 timers[f"  of which {bucket} rows"] += dt
         return wrapper
-    for mod in eng.model.modules():
+    for mod in eng.worker.model.modules():
         if isinstance(mod, torch.nn.Linear):
             mod.forward = timed_linear(mod.forward)
-    eng.model.compute_logits = timed("lm head", eng.model.compute_logits)
+    eng.worker.model.compute_logits = timed("lm head", eng.worker.model.compute_logits)
     from pagedrun.models import ops
     for name in ("rms_norm", "rope", "silu_and_mul"):  # llama.py calls them as ops.<name>
         setattr(ops, name, timed(f"elementwise: {name}", getattr(ops, name)))
     # The MLP's gate/up GEMM with SiLU * up fused in (also counted under linear layers).
     ops.gate_up_silu = timed("  of which gate/up + silu (fused)", ops.gate_up_silu)
-    eng.runner.execute = timed("model step (total)", eng.runner.execute)
+    eng.worker.runner.execute = timed("model step (total)", eng.worker.runner.execute)
     eng.step = timed("engine step (total)", eng.step)
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
