@@ -70,7 +70,7 @@ def run_bench(*, workload: str, model: str, quick: bool, json_path: Path | None,
                       f"model.device={device}"]
     if not any(o.split("=")[0].strip() in ("cache.num_blocks", "cache.kv_cache_memory") for o in overrides):
         # Room for every request at once: the comparison is about batching, not about preemption.
-        base_overrides.append(room_for_all(requests, bs))
+        base_overrides.append(room_for_all(requests, bs, layers_per_block(model_dir, recipe)))
     specs: list[dict] = []
     if "pagedrun" in engines:
         specs.append({"engine": "pagedrun", "config": "continuous, paged", "overrides": base_overrides + overrides})
@@ -179,10 +179,24 @@ def parse_sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
-def room_for_all(requests: list[BenchRequest], block_size: int) -> str:
-    """The cache override that holds every request at once (the bench's default: it compares
-    batching, not preemption)."""
-    return f"cache.num_blocks={sum(-(-(r_len(r)) // block_size) for r in requests) + 1}"
+def room_for_all(requests: list[BenchRequest], block_size: int, layers_per_block: tuple[int, int] = (1, 1)) -> str:
+    """The cache override that holds every request at once with every block kept (the bench's
+    default: it compares batching, not preemption), in the engine's blocks: with KV cache groups a
+    block holds fewer layers (layers_per_block = (the model's layers, a block's)), so the same bytes
+    are more blocks, the bytes vLLM is given."""
+    full = sum(-(-(r_len(r)) // block_size) for r in requests) + 1
+    layers, per_block = layers_per_block
+    return f"cache.num_blocks={full * layers // per_block}"
+
+
+def layers_per_block(model_dir: Path, recipe) -> tuple[int, int]:
+    """(the model's layers, the layers one block of pagedrun's cache holds: kv/groups.py)."""
+    from pagedrun.kv.groups import plan_groups
+    from pagedrun.models.loader import read_config
+
+    cfg = read_config(model_dir, recipe.model.max_model_len)
+    layers = cfg.num_hidden_layers
+    return layers, plan_groups([cfg.window_of(i) for i in range(layers)], recipe.cache.hybrid_kv).num_slots
 
 
 def r_len(r: BenchRequest) -> int:

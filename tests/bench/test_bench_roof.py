@@ -157,3 +157,18 @@ def test_nothing_beside_the_vllm_worker_hides_what_it_imports():
             imported.add(node.module.split(".")[0])
     assert "vllm" in imported
     assert not [m for m in imported if (folder / f"{m}.py").exists() or (folder / m).is_dir()]
+
+
+def test_room_for_all_is_the_same_bytes_in_a_hybrid_caches_blocks(tiny_model):
+    """The bench gives pagedrun and vLLM the bytes that hold every request with every block kept;
+    with KV cache groups a block holds fewer layers, so those bytes are more blocks."""
+    from pagedrun.bench.run import layers_per_block, room_for_all
+    from pagedrun.bench.workloads import BenchRequest
+    from pagedrun.config.recipe import load_recipe
+
+    reqs = [BenchRequest("a", list(range(40)), 24), BenchRequest("b", list(range(9)), 7)]
+    assert room_for_all(reqs, 16) == "cache.num_blocks=6"  # 64 and 16 tokens: 4 + 1 blocks, + 1
+    d = tiny_model("gemma3", seed=1)  # 3 sliding layers, 1 full: groups of 1 layer
+    assert layers_per_block(d, load_recipe(None, [])) == (4, 1)
+    assert room_for_all(reqs, 16, layers_per_block(d, load_recipe(None, []))) == "cache.num_blocks=24"
+    assert layers_per_block(d, load_recipe(None, ["cache.hybrid_kv=false"])) == (4, 4)
