@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from pagedrun.console import terminal_may_fail, write_stderr
 from pagedrun.errors import PagedrunError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -80,9 +81,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def run_guarded(debug: bool, fn, *args, **kwargs):
-    from pagedrun.console import reader_may_leave
-
-    with reader_may_leave():  # `pagedrun generate ... | head -2` must not end the job
+    # `pagedrun generate ... | head -2`, `2>&-`, `2>/dev/full`: the terminal goes quiet, the job runs on.
+    with terminal_may_fail():
         return _run_guarded(debug, fn, *args, **kwargs)
 
 
@@ -139,8 +139,8 @@ class StopFlag:
         if self.stop:
             # os.write, not the console: we may have interrupted a write to stderr.
             show_cursor = b"\x1b[?25h" if os.isatty(2) else b""  # the progress bar hid it
-            os.write(2, show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
-                     "file; run the same command again to resume\n".encode())
+            write_stderr(show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
+                         "file; run the same command again to resume\n".encode())
             from pagedrun.io.writer import exit_when_line_complete
 
             exit_when_line_complete(128 + signum, self._exit_now)
@@ -152,7 +152,7 @@ class StopFlag:
             console.print(f"\n{name}: stopping after this step ({again} again to quit now)", style="yellow",
                           highlight=False, soft_wrap=True, markup=False)
         except RuntimeError:  # interrupted a write to stderr ("reentrant call"): say it plainly
-            os.write(2, f"\n{name}: stopping after this step ({again} again to quit now)\n".encode())
+            write_stderr(f"\n{name}: stopping after this step ({again} again to quit now)\n".encode())
 
     def __call__(self) -> bool:
         return self.stop
