@@ -84,7 +84,7 @@ class OutputWriter:
     """`OutputWriter(path, fingerprint)` checks every path the run will write, takes the output's
     lock and reads a previous run's output without changing anything (so a refusal costs nothing);
     `open()` starts writing, `close()` lets the lock go. `inputs`: the run's input files, which no
-    derived file may be; `report`: the run will write `<stem>.report.json`."""
+    derived file may be; `report`: the run will write `OUT.report.json`."""
 
     def __init__(self, path: Path, fingerprint: dict, *, overwrite: bool = False, fsync_interval_s: float = 5.0,
                  inputs: tuple[Path | None, ...] = (), report: bool = False):

@@ -269,7 +269,7 @@ def _provenance(report: dict) -> dict[str, str]:
 
 
 def write_report(report: dict, output: Path) -> Path:
-    """<output's stem>.report.json, through a temporary file and a rename; refused (one line) if a
+    """OUT.report.json (file_safety.report_path), through a temporary file and a rename; refused (one line) if a
     file pagedrun did not write has appeared there since the run started (io/file_safety.py)."""
     path = report_path(output)
     check_derived(path, "report", output, (), is_report)

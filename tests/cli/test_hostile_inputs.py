@@ -350,7 +350,7 @@ def test_closed_terminal_pipe_does_not_end_the_job(model, tmp_path):
     assert done.stdout.count("\n") == 1  # head took one line; every later write met a closed pipe
     records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(int(r["id"]) for r in records) == list(range(n))
-    assert (tmp_path / "out.report.json").is_file()
+    assert (tmp_path / "out.jsonl.report.json").is_file()
 
 
 def nested_schema(depth: int, key: str) -> dict:

@@ -93,7 +93,7 @@ def test_the_job_finishes_with_its_own_exit_code(tiny_model, tmp_path, redirect)
     records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == [str(i) for i in range(10)]
     assert sum("error" in r for r in records) == 1
-    assert json.loads((tmp_path / "out.report.json").read_text())
+    assert json.loads((tmp_path / "out.jsonl.report.json").read_text())
     # Resumed, with the same terminal: nothing to do, same code.
     assert run_cli(tmp_path, model, lines, redirect) == 3
     # And a user error is still exit code 2, said into nothing.
