@@ -276,8 +276,11 @@ def check_requests(recipe, snapshot, skip_invalid: bool, writer):
     from pagedrun.io.stream import RequestStream
 
     tokenizer, cfg, max_model_len = request_checker(recipe)
-    # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
-    job = BatchJob(input_sha256=snapshot.sha256, model=model_name(recipe), created=snapshot.mtime,
+    # Ids derive from the file's content; `created` is its mtime when OUT was started, kept in OUT's meta
+    # file for every resume (io/writer.py): one value per output file.
+    if writer.created is None:
+        writer.created = snapshot.mtime
+    job = BatchJob(input_sha256=snapshot.sha256, model=model_name(recipe), created=writer.created,
                    system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
     stream = RequestStream(snapshot.path, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                            tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job, snapshot=snapshot)

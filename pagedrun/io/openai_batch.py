@@ -11,8 +11,9 @@ Choices, documented in README.md ("Running an OpenAI batch file"):
   * ids are derived from the job, not random: sha256 of the input file's content hash and the line's
     custom_id (or, for a line that cannot run, its line number), so a resumed or repeated run writes
     the same ids, and the output's `id` doubles as the resume key (io/writer.py);
-  * `created` is the input file's modification time: one value for every line of a job, the same
-    when the job is resumed or run again on the unchanged file;
+  * `created` is the input file's modification time when the output was started: one value for every
+    line of an output file, kept in its meta file, so a resume writes the same even if the input was
+    touched meanwhile;
   * a body `model` other than the recipe's model runs anyway on the recipe's model (one warning for
     the file): batch files name hosted models, and the output's `model` says which one ran;
   * a field missing from the body takes the recipe's `sampling:` value (pagedrun's defaults:

@@ -95,6 +95,9 @@ class OutputWriter:
         self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
         self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
+        # A batch output's `created`, fixed by the run that started OUT and kept in its meta file, so that one
+        # file never holds two values (the prompts file's mtime may change between a run and its resume).
+        self.created: int | None = None
         self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
         self._needs_rewrite = False
         self._fd: int | None = None
@@ -138,6 +141,8 @@ class OutputWriter:
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
             raise PagedrunError(f"{meta}: unreadable; pass --overwrite to start afresh, or choose another -o") from None
+        created = previous.get("created")
+        self.created = created if isinstance(created, int) and not isinstance(created, bool) else None
         changed = [k for k, v in self.fingerprint.items() if old.get(k) != v]
         if changed:
             what = " and ".join("recipe" if k == "recipe" else "prompts file" if k == "prompts" else k
@@ -170,6 +175,8 @@ class OutputWriter:
                     self.discarded += 1
                     continue
                 self._remember(key, rec, start, len(raw))
+                if self.created is None:  # a meta file from before `created` was kept there: the records'
+                    self.created = _created_of(rec)
         self._needs_rewrite = self._needs_rewrite or self.discarded > 0
 
     def _read_locked(self):
@@ -210,8 +217,10 @@ class OutputWriter:
         self._last_fsync = time.monotonic()
 
     def _write_meta(self) -> None:
-        replace_file(meta_path(self.path), (json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint},
-                                                       indent=1) + "\n").encode("utf-8"), fsync=True)
+        meta = {"version": META_VERSION, "fingerprint": self.fingerprint}
+        if self.created is not None:
+            meta["created"] = self.created
+        replace_file(meta_path(self.path), (json.dumps(meta, indent=1) + "\n").encode("utf-8"), fsync=True)
 
     def write(self, record: dict, key: Key | None = None, input_line: int = 0) -> None:
         """Append one record (key defaults to record_key(record)); `input_line`: the input line it answers
@@ -328,6 +337,15 @@ class OutputWriter:
 
 
 _LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+
+
+def _created_of(record: object) -> int | None:
+    """A batch output line's response.body.created, or None."""
+    try:
+        created = record["response"]["body"]["created"]  # type: ignore[index]
+    except (KeyError, TypeError):
+        return None
+    return created if isinstance(created, int) and not isinstance(created, bool) else None
 
 
 def _pack(line: int, offset: int, length: int) -> int:

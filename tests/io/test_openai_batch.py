@@ -304,3 +304,34 @@ def test_the_example_batch_file_runs(tmp_path):
     inputs = [json.loads(x) for x in example.read_text().splitlines() if x.strip()]
     assert [g.custom_id for g in got] == [x["custom_id"] for x in inputs]
     assert all(g.error is None and g.response.body["choices"] for g in got)
+
+
+@pytest.mark.parametrize("how", ["touched", "meta_without_created"])
+@pytest.mark.parametrize("keep", [1, 5])
+def test_created_is_one_value_per_output_file(model, tmp_path, how, keep):
+    """Issue 40, item 9: `created` changed within one output file when the input's mtime moved between a
+    run and its resume. It is fixed by the run that started OUT (kept in OUT.meta.json)."""
+    import os
+
+    prompts = write(tmp_path / "batch.jsonl", [completion(f"r{i}", prompt=[5 + i, 6], max_tokens=2) for i in range(6)]
+                    + [batch_line("bad", "/v1/x")])
+    os.utime(prompts, (1_700_000_000, 1_700_000_000))
+    out = tmp_path / "out.jsonl"
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    kept = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(kept[:keep]))  # as an interrupted run leaves it
+    meta = out.with_name("out.jsonl.meta.json")
+    assert json.loads(meta.read_text())["created"] == 1_700_000_000
+    if how == "meta_without_created":  # written by an earlier pagedrun: the kept records say it
+        m = json.loads(meta.read_text())
+        del m["created"]
+        meta.write_text(json.dumps(m))
+    os.utime(prompts, (1_800_000_000, 1_800_000_000))  # touched (copied, synced) before the resume
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    got = records(out)
+    assert len(got) == 7
+    assert {r["response"]["body"]["created"] for r in got if r["response"]} == {1_700_000_000}
+    assert json.loads(meta.read_text())["created"] == 1_700_000_000
+    # --overwrite starts a new file: the input's mtime now.
+    assert invoke(model, prompts, out, "--skip-invalid", "--overwrite").exit_code == 3
+    assert {r["response"]["body"]["created"] for r in records(out) if r["response"]} == {1_800_000_000}
