@@ -95,6 +95,10 @@ class OutputWriter:
         self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
         self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
+        # Records this run wrote, and the error records among them (lines that could not run, at either pass,
+        # and requests that failed): what the summary and the report count, from the one place they all reach.
+        self.written = 0
+        self.written_errors = 0
         # A batch output's `created`, fixed by the run that started OUT and kept in its meta file, so that one
         # file never holds two values (the prompts file's mtime may change between a run and its resume).
         self.created: int | None = None
@@ -242,6 +246,8 @@ class OutputWriter:
                 view = view[n:]
             self._remember(key, record, self._size, len(line), input_line)
             self._size += len(line)
+            self.written += 1
+            self.written_errors += record.get("error") is not None
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
