@@ -92,7 +92,7 @@ def _run_guarded(debug: bool, fn, *args, **kwargs):
     except PagedrunError as e:
         if debug:
             raise
-        fail(str(e))
+        fail(str(e), e.exit_code)
     except KeyboardInterrupt as e:
         if debug:
             raise
@@ -159,7 +159,8 @@ class StopFlag:
 
 
 @app.command(epilog="Exit codes: 0 every request has an output; 3 some requests failed, 4 all failed (their "
-                    "lines in the output hold \"error\"); 2 a user error, nothing ran; 130/143 stopped by "
+                    "lines in the output hold \"error\"); 2 a user error, nothing ran; 5 an error after requests "
+                    "began to run (finished ones are kept: run again to resume); 130/143 stopped by "
                     "Ctrl-C/SIGTERM (run again to resume).")
 @with_vllm_flags
 def generate(

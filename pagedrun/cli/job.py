@@ -43,6 +43,13 @@ from pagedrun.errors import PagedrunError
 EXIT_OK = 0  # every request has an output
 EXIT_SOME_FAILED = 3  # some requests are error records in the output
 EXIT_ALL_FAILED = 4  # every request is an error record
+EXIT_RUN_FAILED = 5  # an error once requests began to run: what finished is kept, a resume goes on
+
+
+class RunFailed(PagedrunError):
+    """An error after requests began to run: not exit code 2, "nothing ran" (it came after all the work once)."""
+
+    exit_code = EXIT_RUN_FAILED
 
 
 def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
@@ -219,46 +226,52 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         counters["out_tokens"] += n
         progress.update(task, tps=counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9))
 
-    with progress:
-        task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
-        executor.run(pulled(), on_output, on_tokens, stop)
-    wall = time.perf_counter() - t0
-    change = stream.snapshot.change()
-    if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
-        console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
-    # A late signal interrupts nothing: every line has its record.
-    interrupted = stop.stop and len(writer.done) < stream.num_lines
-    if interrupted:
-        writer.close()  # every finished request is in the file; the rest are redone on resume
-    else:
-        writer.finalize()
+    try:  # from here requests run: an error is not "nothing ran" (exit code 2), whatever it is
+        with progress:
+            task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
+            executor.run(pulled(), on_output, on_tokens, stop)
+        wall = time.perf_counter() - t0
+        change = stream.snapshot.change()
+        if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
+            console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
+        # A late signal interrupts nothing: every line has its record.
+        interrupted = stop.stop and len(writer.done) < stream.num_lines
+        if interrupted:
+            writer.close()  # every finished request is in the file; the rest are redone on resume
+        else:
+            writer.finalize()
 
-    report = report_file = None
-    if recipe.output.report:
-        from pagedrun.report.report import write_report
+        report = report_file = None
+        if recipe.output.report:
+            from pagedrun.report.report import write_report
 
-        report = count_records(executor.report(wall, interrupted), writer)
-        report_file = write_report(report, output)
-        if plot is not None and executor.plots:
-            try:
-                executor.plot(plot, output, inputs)
-            except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
-                console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
-                              markup=False)
-                plot = None
-    if not quiet:
-        print_summary(console, executor.results, wall, output, executor.summary(console, report),
-                      (writer.written, writer.written_errors))
-        if report is not None:
-            console.print(f"report: {report_file}" + (f", plot: {plot}" if plot is not None and executor.plots else ""),
-                          highlight=False)
-    if interrupted:
-        console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
-                      f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
-                      highlight=False, soft_wrap=True, markup=False)
-        return stop.exit_code
-    return job_exit_code(writer, stream.num_lines, output, console)
+            report = count_records(executor.report(wall, interrupted), writer)
+            report_file = write_report(report, output)
+            if plot is not None and executor.plots:
+                try:
+                    executor.plot(plot, output, inputs)
+                except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
+                    console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
+                                  markup=False)
+                    plot = None
+        if not quiet:
+            print_summary(console, executor.results, wall, output, executor.summary(console, report),
+                          (writer.written, writer.written_errors))
+            if report is not None:
+                drawn = f", plot: {plot}" if plot is not None and executor.plots else ""
+                console.print(f"report: {report_file}{drawn}", highlight=False)
+        if interrupted:
+            console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
+                          f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
+                          highlight=False, soft_wrap=True, markup=False)
+            return stop.exit_code
+        return job_exit_code(writer, stream.num_lines, output, console)
 
+    except RunFailed:
+        raise
+    except PagedrunError as e:
+        raise RunFailed(f"{e}; {len(writer.done)} of {stream.num_lines} requests are in {output}: run the same "
+                        "command again to resume") from None
 
 def count_records(report: dict, writer) -> dict:
     """The report's request counts are the records this run wrote (the engine's tally misses lines that
