@@ -5,7 +5,9 @@ Input line:  {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" 
               "body": {...the request, OpenAI's field names...}}
 Output line: {"id": "batch_req_...", "custom_id", "response": {"status_code": 200, "request_id",
               "body": <chat.completion | text_completion>}, "error": null}
-             {"id", "custom_id", "response": null, "error": {"code", "message"}}  (a failed line)
+             {"id", "custom_id", "response": {"status_code": 400 | 500, "request_id", "body": {"error":
+              {"message", "type", "param", "code"}}}, "error": null}  (a failed request, as the Batch API
+              writes one that the endpoint refused: the body is the endpoint's error object)
 
 Choices, documented in README.md ("Running an OpenAI batch file"):
   * ids are derived from the job, not random: sha256 of the input file's content hash and the line's
@@ -22,6 +24,7 @@ Choices, documented in README.md ("Running an OpenAI batch file"):
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,9 +313,31 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
             "response": {"status_code": 200, "request_id": "req_" + suffix, "body": body}, "error": None}
 
 
+# "file:line: body.field: why" -> the field, OpenAI's `param` (messages, body.messages[0].role -> messages)
+_PARAM = re.compile(r"^[^:]*:\d+: body\.([A-Za-z_]+)")
+
+
 def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> dict:
-    """A line that failed: `custom_id` is null only when the input line has no readable one."""
-    return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    """A request that failed, in the Batch API's shape for one its endpoint refused: status 400 and an
+    invalid_request_error for a line that cannot run (code context_length_exceeded for a prompt too long,
+    else null), 500 and a server_error for one that failed while it ran (code request_failed).
+    `custom_id` is null only when the input line has no readable one."""
+    failed_running = code == "request_failed"
+    param = _PARAM.match(message)
+    error = {"message": message, "type": "server_error" if failed_running else "invalid_request_error",
+             "param": param.group(1) if param else None, "code": code if code != "invalid_request" else None}
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": 500 if failed_running else 400,
+                         "request_id": "req_" + line_id.removeprefix("batch_req_"), "body": {"error": error}},
+            "error": None}
+
+
+def is_failed_line(record: dict) -> bool:
+    """An output line of a request that failed: its response's status is not 200 (or, from pagedrun before
+    failed lines took the Batch API's shape, its `error` is set)."""
+    response = record.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    return record.get("error") is not None or (status is not None and status != 200)
 
 
 class _TokenText:

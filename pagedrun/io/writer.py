@@ -49,6 +49,7 @@ from pagedrun.io.file_safety import (
     report_path,
     temp_path,
 )
+from pagedrun.io.openai_batch import is_failed_line
 
 META_VERSION = 1
 
@@ -193,7 +194,7 @@ class OutputWriter:
 
     def _remember(self, key: Key, record: dict, offset: int, length: int, line: int = 0) -> None:
         self.done[key] = _pack(line, offset, length)
-        if record.get("error") is not None:
+        if is_error_record(record):
             self.failed.add(key)
 
     # ---- writing --------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class OutputWriter:
             self._remember(key, record, self._size, len(line), input_line)
             self._size += len(line)
             self.written += 1
-            self.written_errors += record.get("error") is not None
+            self.written_errors += is_error_record(record)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
@@ -343,6 +344,11 @@ class OutputWriter:
 
 
 _LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+
+
+def is_error_record(record: dict) -> bool:
+    """An error record: pagedrun's (`error` set) or a batch output's failed line (a non-200 response)."""
+    return is_failed_line(record)
 
 
 def _created_of(record: object) -> int | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from openai.types import Completion  # the dev extra's: a real client's types, not our reading of the docs
 from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
 from tiny_models import add_word_tokenizer, make_tiny_model
 from typer.testing import CliRunner
@@ -48,14 +49,19 @@ class OutputLine(_Strict):
 
 
 def check_line(raw: dict) -> OutputLine:
+    """A line as the Batch API writes it: a response (200 and the endpoint's body, or 400/500 and its error
+    object, checked with the SDK's ErrorObject) and a null `error` (kept for batch-level failures)."""
     line = OutputLine.model_validate(raw)
     assert line.id.startswith("batch_req_")
-    assert (line.response is None) != (line.error is None)
-    if line.error is not None:
-        assert "\n" not in line.error.message
-        return line
-    assert line.response.status_code == 200
+    assert line.response is not None and line.error is None
+    assert line.response.request_id == "req_" + line.id.removeprefix("batch_req_")
     body = line.response.body
+    if line.response.status_code != 200:
+        assert line.response.status_code in (400, 500) and set(body) == {"error"}
+        err = ErrorObject.model_validate(body["error"])
+        assert not err.model_extra and "\n" not in err.message
+        assert err.type == ("server_error" if line.response.status_code == 500 else "invalid_request_error")
+        return line
     cls = ChatCompletion if body["object"] == "chat.completion" else Completion
     parsed = cls.model_validate(body)
     assert not parsed.model_extra and all(not c.model_extra for c in parsed.choices)  # nothing unknown
@@ -200,12 +206,14 @@ def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
     parsed = [check_line(r) for r in got]
     assert [r["custom_id"] for r in got] == ["chat-greedy", "completion-n2", "bad-url", "chat-greedy", "tools",
                                              "tokens", "too-long", None]
-    assert [p.error is None for p in parsed] == [True, True, False, False, False, True, False, False]
+    assert [p.response.status_code for p in parsed] == [200, 200, 400, 400, 400, 200, 400, 400]
     assert len({p.id for p in parsed}) == len(lines)
-    assert got[4]["error"]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
-    assert got[6]["error"]["code"] == "context_length_exceeded"
-    assert got[6]["error"]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
-    assert got[7]["error"]["message"].startswith("batch.jsonl:8: invalid JSON")
+    errors = {i: got[i]["response"]["body"]["error"] for i in (2, 3, 4, 6, 7)}
+    assert errors[4]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
+    assert (errors[4]["param"], errors[4]["code"]) == ("tools", None)
+    assert (errors[6]["param"], errors[6]["code"]) == ("prompt", "context_length_exceeded")
+    assert errors[6]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
+    assert errors[7]["message"].startswith("batch.jsonl:8: invalid JSON") and errors[7]["param"] is None
 
     chat_body = ChatCompletion.model_validate(got[0]["response"]["body"])
     assert chat_body.object == "chat.completion" and chat_body.id.startswith("chatcmpl-")
@@ -251,7 +259,7 @@ def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_p
         check_line(r)
     assert got[0]["response"]["body"]["choices"][0]["message"]["content"] == "Paris Paris Paris"
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
-    assert got[3]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
+    assert got[3]["response"]["body"]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
                                           "[-100, 100]; 5 -> 101, got {\"5\": 101}")
 
 
@@ -303,7 +311,7 @@ def test_the_example_batch_file_runs(tmp_path):
     got = [check_line(r) for r in records(out)]
     inputs = [json.loads(x) for x in example.read_text().splitlines() if x.strip()]
     assert [g.custom_id for g in got] == [x["custom_id"] for x in inputs]
-    assert all(g.error is None and g.response.body["choices"] for g in got)
+    assert all(g.error is None and g.response.status_code == 200 and g.response.body["choices"] for g in got)
 
 
 @pytest.mark.parametrize("how", ["touched", "meta_without_created"])
@@ -330,8 +338,34 @@ def test_created_is_one_value_per_output_file(model, tmp_path, how, keep):
     assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
     got = records(out)
     assert len(got) == 7
-    assert {r["response"]["body"]["created"] for r in got if r["response"]} == {1_700_000_000}
+    assert {r["response"]["body"]["created"] for r in got if r["response"]["status_code"] == 200} == {1_700_000_000}
     assert json.loads(meta.read_text())["created"] == 1_700_000_000
     # --overwrite starts a new file: the input's mtime now.
     assert invoke(model, prompts, out, "--skip-invalid", "--overwrite").exit_code == 3
-    assert {r["response"]["body"]["created"] for r in records(out) if r["response"]} == {1_800_000_000}
+    assert {r["response"]["body"]["created"] for r in records(out) if r["response"]["status_code"] == 200} == {1_800_000_000}
+
+
+@pytest.mark.parametrize("code, message, status, param", [
+    ("invalid_request", "batch.jsonl:3: body.tools: not supported by pagedrun", 400, "tools"),
+    ("invalid_request", "batch.jsonl:3: body.messages[0].role: must be one of ...", 400, "messages"),
+    ("invalid_request", "batch.jsonl:12: invalid JSON: Expecting value", 400, None),
+    ("invalid_request", "batch.jsonl:4: url: must be ...", 400, None),
+    ("context_length_exceeded", "batch.jsonl:9: body.prompt: prompt has 201 tokens", 400, "prompt"),
+    ("request_failed", "structured_outputs: the grammar engine gave up on this request after 3 output tokens", 500,
+     None),
+])
+def test_failed_lines_take_the_batch_apis_shape(code, message, status, param):
+    from pagedrun.io.openai_batch import error_line, is_failed_line
+    from pagedrun.io.writer import is_error_record
+
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    for custom_id in ("a", None):
+        line = error_line(job.error_line_id(3), custom_id, code, message)
+        checked = check_line(line)
+        assert checked.response.status_code == status and checked.custom_id == custom_id
+        err = line["response"]["body"]["error"]
+        assert err["param"] == param and err["message"] == message
+        assert err["code"] == (None if code == "invalid_request" else code)
+        assert is_failed_line(line) and is_error_record(line)
+    old_shape = {"id": "batch_req_x", "custom_id": "a", "response": None, "error": {"code": "c", "message": "m"}}
+    assert is_error_record(old_shape)  # an output started by an earlier pagedrun resumes with its errors counted
