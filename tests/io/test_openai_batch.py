@@ -259,7 +259,8 @@ def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_p
         check_line(r)
     assert got[0]["response"]["body"]["choices"][0]["message"]["content"] == "Paris Paris Paris"
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
-    assert got[3]["response"]["body"]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
+    assert got[3]["response"]["body"]["error"]["message"] == (
+        "batch.jsonl:4: body.logit_bias: must map token ids to biases in "
                                           "[-100, 100]; 5 -> 101, got {\"5\": 101}")
 
 
@@ -342,7 +343,8 @@ def test_created_is_one_value_per_output_file(model, tmp_path, how, keep):
     assert json.loads(meta.read_text())["created"] == 1_700_000_000
     # --overwrite starts a new file: the input's mtime now.
     assert invoke(model, prompts, out, "--skip-invalid", "--overwrite").exit_code == 3
-    assert {r["response"]["body"]["created"] for r in records(out) if r["response"]["status_code"] == 200} == {1_800_000_000}
+    created = {r["response"]["body"]["created"] for r in records(out) if r["response"]["status_code"] == 200}
+    assert created == {1_800_000_000}
 
 
 @pytest.mark.parametrize("code, message, status, param", [
