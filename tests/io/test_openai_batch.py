@@ -261,7 +261,7 @@ def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_p
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
     assert got[3]["response"]["body"]["error"]["message"] == (
         "batch.jsonl:4: body.logit_bias: must map token ids to biases in "
-                                          "[-100, 100]; 5 -> 101, got {\"5\": 101}")
+        "[-100, 100]; 5 -> 101, got {\"5\": 101}")
 
 
 def test_without_skip_invalid_a_bad_line_stops_before_the_model_loads(model, tmp_path, monkeypatch):
