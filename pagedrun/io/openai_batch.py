@@ -44,11 +44,22 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "
              "min_p": "min_p", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
              "stop_token_ids": "stop_token_ids"}
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
-# Fields that change what a response means; refused (per line) unless absent, null or their no-op value.
-_UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
-                "modalities": None, "prediction": None, "parallel_tool_calls": None, "web_search_options": None,
-                "reasoning_effort": None, "verbosity": None, "stream": False, "echo": False, "suffix": None,
-                "best_of": 1}
+# Fields that change what a response means; refused (per line) unless absent, null or one of their no-op
+# values: what a client sends when it means "none of that" (no tools: tool_choice "none" or "auto",
+# parallel_tool_calls either way; text out: modalities ["text"]).
+_UNSUPPORTED: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "audio": (), "modalities": (["text"],), "prediction": (), "parallel_tool_calls": (True, False),
+    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "stream": (False,), "echo": (False,),
+    "suffix": (), "best_of": (1,)}
+# Keys of a message besides role and content: accepted when null or empty (an assistant message copied
+# back from a response carries "refusal": null, "annotations": [], ...), refused otherwise.
+_MESSAGE_NO_OP_KEYS = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations"})
+
+
+def _is_no_op(value: Any, no_ops: tuple) -> bool:
+    """None, or one of `no_ops` of the same type (True is not 1, False is not 0)."""
+    return value is None or any(type(value) is type(x) and value == x for x in no_ops)
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
                         "parallel_tool_calls", "web_search_options", "reasoning_effort", "verbosity"})
@@ -138,7 +149,7 @@ def parse_batch_line(obj: dict) -> BatchRequest:
         raise BatchLineError(f"body.{clip(str(key))}", f"not a field of {url}" if key in _KNOWN else "unknown field")
     if not body.keys().isdisjoint(_UNSUPPORTED):
         for key in body:
-            if key in _UNSUPPORTED and body[key] is not None and body[key] != _UNSUPPORTED[key]:
+            if key in _UNSUPPORTED and not _is_no_op(body[key], _UNSUPPORTED[key]):
                 raise BatchLineError(f"body.{key}", "not supported by pagedrun")
     overrides = _sampling_overrides(body, chat)
     batch = BatchLine(custom_id=obj["custom_id"], url=url)
@@ -232,7 +243,7 @@ def _messages(messages: Any) -> list[dict]:
         if role not in ROLES:
             raise BatchLineError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {echo_json(role)}")
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name") and not (key in _MESSAGE_NO_OP_KEYS and m[key] in (None, [])):
                 raise BatchLineError(f"{where}.{clip(str(key))}", "not supported by pagedrun")
         out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
     return out

@@ -371,3 +371,58 @@ def test_failed_lines_take_the_batch_apis_shape(code, message, status, param):
         assert is_failed_line(line) and is_error_record(line)
     old_shape = {"id": "batch_req_x", "custom_id": "a", "response": None, "error": {"code": "c", "message": "m"}}
     assert is_error_record(old_shape)  # an output started by an earlier pagedrun resumes with its errors counted
+
+
+def one_chat_line(tmp_path, line: dict, **kw):
+    return read(write(tmp_path / "batch.jsonl", [line]), skip_invalid=True, **kw)
+
+
+NO_OPS = [dict(tool_choice="none"), dict(tool_choice="auto"), dict(tool_choice=None), dict(parallel_tool_calls=False),
+          dict(parallel_tool_calls=True), dict(tools=[]), dict(functions=[]), dict(function_call="none"),
+          dict(modalities=["text"]), dict(stream=False), dict(audio=None),
+          dict(tool_choice="none", parallel_tool_calls=False, tools=[])]
+MEANINGFUL = [dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "f"}}),
+              dict(parallel_tool_calls=0), dict(parallel_tool_calls="false"), dict(tools=[{"type": "function"}]),
+              dict(modalities=["text", "audio"]), dict(stream=True), dict(stream=0), dict(function_call="f")]
+
+
+@pytest.mark.parametrize("body", NO_OPS, ids=lambda b: json.dumps(b))
+def test_no_op_values_of_unsupported_fields_are_accepted(tmp_path, body):
+    requests, invalid = one_chat_line(tmp_path, chat("a", **body), tokenizer=_template_tokenizer())
+    assert not invalid and len(requests) == 1
+
+
+@pytest.mark.parametrize("body", MEANINGFUL, ids=lambda b: json.dumps(b))
+def test_meaningful_values_of_unsupported_fields_are_refused(tmp_path, body):
+    requests, invalid = one_chat_line(tmp_path, chat("a", **body), tokenizer=_template_tokenizer())
+    (bad,) = invalid
+    assert bad.error == f"batch.jsonl:1: body.{next(iter(body))}: not supported by pagedrun"
+
+
+@pytest.mark.parametrize("extra, ok", [({"refusal": None}, True), ({"refusal": None, "annotations": []}, True),
+                                       ({"tool_calls": []}, True), ({"tool_calls": None, "audio": None}, True),
+                                       ({"refusal": "I can't"}, False), ({"tool_calls": [{"id": "x"}]}, False),
+                                       ({"refusal": False}, False), ({"annotations": [{"type": "url"}]}, False)])
+def test_null_message_fields_are_accepted(tmp_path, extra, ok):
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the", **extra},
+                {"role": "user", "content": "be brief"}]
+    requests, invalid = one_chat_line(tmp_path, batch_line("a", messages=messages), tokenizer=_template_tokenizer())
+    assert (len(requests), len(invalid)) == ((1, 0) if ok else (0, 1))
+    if not ok:
+        assert invalid[0].error == f"batch.jsonl:1: body.messages[1].{next(iter(extra))}: not supported by pagedrun"
+
+
+_TOKENIZER = []
+
+
+def _template_tokenizer():
+    """The word tokenizer with a chat template (tests/tiny_models.py), built once."""
+    if not _TOKENIZER:
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        d = Path(tempfile.mkdtemp())
+        add_word_tokenizer(d, WORDS)
+        _TOKENIZER.append(AutoTokenizer.from_pretrained(str(d)))
+    return _TOKENIZER[0]
