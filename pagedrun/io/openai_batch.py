@@ -23,6 +23,7 @@ Choices, documented in README.md ("Running an OpenAI batch file"):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -278,8 +279,10 @@ def _prompt(prompt: Any) -> tuple[str, Any]:
 #
 # The shapes are the `openai` package's (tests validate every body with openai.types.chat.ChatCompletion
 # and openai.types.Completion). Token strings are the tokenizer's decoding of the one token; `bytes`
-# are their UTF-8 bytes. A completion's text_offset counts characters from the start of its generated
-# text (pagedrun never echoes the prompt).
+# are the token's own bytes (_TokenText), so that joining them rebuilds the text even where a token holds
+# part of a character. Logprobs cover the text's tokens: not the stop token that ended the completion
+# (EOS, a stop_token_ids entry), which the text leaves out too. A completion's text_offset counts
+# characters from the start of its generated text (pagedrun never echoes the prompt).
 
 # OpenAI's finish reasons are stop | length (| content_filter, tool_calls): pagedrun's own stop
 # reasons (a stop string, a stop token id, EOS) are all "stop".
@@ -300,12 +303,12 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
             if batch.logprobs:
-                choice["logprobs"] = {"content": [_chat_logprob(e, tokens) for e in c.logprobs or []],
+                choice["logprobs"] = {"content": [_chat_logprob(e, tokens) for e in _text_entries(c)],
                                       "refusal": None}
         else:
             choice["text"] = c.text
             if batch.logprobs:
-                choice["logprobs"] = _completion_logprobs(c.logprobs or [], tokens)
+                choice["logprobs"] = _completion_logprobs(_text_entries(c), tokens)
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in o.outputs)
     prompt_tokens = len(o.prompt_token_ids)
@@ -351,25 +354,75 @@ def is_failed_line(record: dict) -> bool:
     return record.get("error") is not None or (status is not None and status != 200)
 
 
+def _text_entries(c) -> list[dict]:
+    """A completion's logprob entries less the stop token that ended it (EOS: stop_reason None; a stop
+    token id: an int), which its text does not hold (the chat template's end-of-turn, for one)."""
+    entries = c.logprobs or []
+    ended_on_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+    if ended_on_token and entries and c.token_ids and entries[-1]["token_id"] == c.token_ids[-1]:
+        return entries[:-1]
+    return entries
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level vocabulary writes -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
 class _TokenText:
-    """Token id -> its text, decoded once per id (a completion repeats tokens; top-N lists more so)."""
+    """Token id -> its text and its bytes, once per id (a completion repeats tokens; top-N lists more so).
+
+    The text is the tokenizer's decoding of the one token: a token holding part of a character (an emoji's
+    first bytes) decodes to U+FFFD. Its bytes come from its vocabulary entry instead: a byte-level
+    vocabulary's characters map back to bytes, a byte-fallback piece <0xE2> is that byte; other tokens
+    (whole characters) are their text's UTF-8."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        self.byte_of = _byte_decoder() if self.byte_level else {}
 
     def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
+        return self.entry(token_id)[0]
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        got = self.cache.get(token_id)
+        if got is None:
             text = "" if self.tokenizer is None else self.tokenizer.decode([token_id])
-            self.cache[token_id] = text
-        return text
+            got = self.cache[token_id] = (text, self._bytes(token_id, text))
+        return got
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        if self.tokenizer is None or "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self.byte_level and all(ch in self.byte_of for ch in piece):
+                return [self.byte_of[ch] for ch in piece]
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+        return list(text.encode("utf-8"))
 
 
 def _chat_logprob(entry: dict, tokens: _TokenText) -> dict:
     def one(token_id: int, logprob: float) -> dict:
-        text = tokens(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = tokens.entry(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
     return {**one(entry["token_id"], entry["logprob"]), "top_logprobs": [one(t, lp) for t, lp in entry["top"]]}
 

@@ -426,3 +426,60 @@ def _template_tokenizer():
         add_word_tokenizer(d, WORDS)
         _TOKENIZER.append(AutoTokenizer.from_pretrained(str(d)))
     return _TOKENIZER[0]
+
+
+# ---------------------------------------------------------------- logprobs: bytes and the stop token
+
+TEXTS = ["😀", "héllo 😀 wörld", "日本語のテキスト", "a😀b🎉c", "naïve café ✓"]
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on ASCII only: every non-ASCII character is split into byte tokens."""
+    from tiny_tokenizer import write_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(write_tiny_tokenizer(tmp_path_factory.mktemp("bl"))))
+
+
+def finished(token_ids, finish_reason="length", stop_reason=None, top=2):
+    from pagedrun.outputs import CompletionOutput, RequestOutput
+
+    entries = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [3, -2.0]][:top]} for t in token_ids]
+    return RequestOutput("r", 0, [5, 6], [CompletionOutput(0, "", list(token_ids), finish_reason, stop_reason,
+                                                           entries)])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("ending", ["length", "eos", "stop_token", "stop_string"])
+def test_chat_logprob_bytes_rebuild_the_text_and_skip_the_stop_token(byte_level, text, ending):
+    from pagedrun.io.openai_batch import BatchLine, output_line
+
+    ids = byte_level.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in byte_level.decode([t]) for t in ids) or text.isascii()  # split characters
+    eos = byte_level.convert_tokens_to_ids("</s>")
+    tail, reason, stop = {"length": ([], "length", None), "eos": ([eos], "stop", None),
+                          "stop_token": ([7], "stop", 7), "stop_string": ([], "stop", "x")}[ending]
+    o = finished(ids + tail, reason, stop)
+    o.outputs[0].text = text
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    line = output_line(o, BatchLine(custom_id="a", url="/v1/chat/completions", logprobs=True, top_logprobs=2),
+                       job, byte_level)
+    check_line(line)
+    content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)  # no entry for the end-of-turn / stop token
+    assert bytes(b for e in content for b in e["bytes"]) == text.encode()
+    for e in content:  # top_logprobs' bytes are their tokens' own too (the first is the sampled token)
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+
+
+def test_completion_logprobs_skip_the_stop_token(byte_level):
+    from pagedrun.io.openai_batch import BatchLine, output_line
+
+    ids = byte_level.encode("hello world", add_special_tokens=False)
+    eos = byte_level.convert_tokens_to_ids("</s>")
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    line = output_line(finished(ids + [eos], "stop", None), BatchLine(custom_id="a", url="/v1/completions",
+                                                                        logprobs=True, top_logprobs=2), job, byte_level)
+    lp = line["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and "</s>" not in lp["tokens"]
