@@ -230,52 +230,58 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         with progress:
             task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
             executor.run(pulled(), on_output, on_tokens, stop)
-        wall = time.perf_counter() - t0
-        change = stream.snapshot.change()
-        if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
-            console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
-        # A late signal interrupts nothing: every line has its record.
-        interrupted = stop.stop and len(writer.done) < stream.num_lines
-        if interrupted:
-            writer.close()  # every finished request is in the file; the rest are redone on resume
-        else:
-            writer.finalize()
-
-        report = report_file = None
-        if recipe.output.report:
-            from pagedrun.report.report import write_report
-
-            report = count_records(executor.report(wall, interrupted), writer)
-            report_file = write_report(report, output)
-            if plot is not None and executor.plots:
-                try:
-                    executor.plot(plot, output, inputs)
-                except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
-                    console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
-                                  markup=False)
-                    plot = None
-        if not quiet:
-            print_summary(console, executor.results, wall, output, executor.summary(console, report),
-                          (writer.written, writer.written_errors))
-            if report is not None:
-                drawn = f", plot: {plot}" if plot is not None and executor.plots else ""
-                console.print(f"report: {report_file}{drawn}", highlight=False)
-        if interrupted:
-            console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
-                          f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
-                          highlight=False, soft_wrap=True, markup=False)
-            return stop.exit_code
-        return job_exit_code(writer, stream.num_lines, output, console)
-
+        return _finish(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
+                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0)
     except RunFailed:
         raise
     except PagedrunError as e:
         raise RunFailed(f"{e}; {len(writer.done)} of {stream.num_lines} requests are in {output}: run the same "
                         "command again to resume") from None
 
+
+def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
+            stop, inputs: tuple[Path, ...], wall: float) -> int:
+    """After the run: the output in input order (or closed, if stopped), the report, the summary, the exit code."""
+    change = stream.snapshot.change()
+    if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
+        console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
+    # A late signal interrupts nothing: every line has its record.
+    interrupted = stop.stop and len(writer.done) < stream.num_lines
+    if interrupted:
+        writer.close()  # every finished request is in the file; the rest are redone on resume
+    else:
+        writer.finalize()
+
+    report = report_file = None
+    if recipe.output.report:
+        from pagedrun.report.report import write_report
+
+        report = count_records(executor.report(wall, interrupted), writer)
+        report_file = write_report(report, output)
+        if plot is not None and executor.plots:
+            try:
+                executor.plot(plot, output, inputs)
+            except PagedrunError as e:  # every output is written by now: say it, keep the job's exit code
+                console.print(f"error: --plot not written: {e}", style="red", highlight=False, soft_wrap=True,
+                              markup=False)
+                plot = None
+    if not quiet:
+        print_summary(console, executor.results, wall, output, executor.summary(console, report),
+                      (writer.written, writer.written_errors))
+        if report is not None:
+            drawn = f", plot: {plot}" if plot is not None and executor.plots else ""
+            console.print(f"report: {report_file}{drawn}", highlight=False)
+    if interrupted:
+        console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
+                      f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
+                      highlight=False, soft_wrap=True, markup=False)
+        return stop.exit_code
+    return job_exit_code(writer, stream.num_lines, output, console)
+
+
 def count_records(report: dict, writer) -> dict:
-    """The report's request counts are the records this run wrote (the engine's tally misses lines that
-    failed before reaching it: on 200k lines the report said num_errors 0 with 40 error records)."""
+    """The report's request counts are the records this run wrote: the engine's tally misses the lines
+    that failed before reaching it (at either pass), which the summary and the exit code count."""
     counts = report["total"] if report.get("mode") == "ray" else report
     counts["num_requests"], counts["num_errors"] = writer.written, writer.written_errors
     return report

@@ -185,7 +185,7 @@ def profile_floor_bytes(model_cfg, lens: list[int], block_size: int, dtype: torc
 
 def check_profile_fits(need: int, available: int, lens: list[int], where: str) -> None:
     """Refuse, before allocating anything, a step whose profile pass cannot fit what `where` has
-    available (at the cap, max_num_batched_tokens asked for 10.9 GB before an allocator error)."""
+    available: otherwise the allocator fails partway (docs/log/2026-11-27-hardening-round-three.md)."""
     if need <= available:
         return
     tokens = sum(lens)
