@@ -1,13 +1,16 @@
-"""The terminal: quiet when its reader has gone, and result tables that fit 80 columns.
+"""The terminal: quiet when it fails or its reader has gone, and result tables that fit 80 columns.
 
-The terminal may go away; the job must not.
+The terminal may go away or fill up; the job must not.
 
 `pagedrun generate ... | head -2` closes the pipe after two lines, and the next write to it raises
-BrokenPipeError (Python ignores SIGPIPE): in the middle of a progress refresh or a summary line that
-would end the job, leaving the output unfinished. Inside `reader_may_leave()`, stdout and stderr
-are wrapped so that the first EPIPE points that descriptor at /dev/null, and from then on every
-write to it (rich, print, Python's flush at exit) succeeds into nothing. The job runs on, the
-outputs file is finished as usual, and the exit code is the job's.
+BrokenPipeError (Python ignores SIGPIPE); `2>/dev/full` (a log on a full disk) raises ENOSPC on every
+write, a stderr closed by the shell (`2>&-`) EBADF. Any of them, in the middle of a progress refresh or
+a summary line, would end the job and leave the output unfinished. Inside `terminal_may_fail()`:
+- stdin, stdout and stderr descriptors the shell closed are opened onto /dev/null first, so that no
+  file the job opens (its lock, its output) is given number 1 or 2 and receives terminal writes;
+- stdout and stderr are wrapped so that the first failed write (any OSError) points that descriptor at
+  /dev/null, and from then on every write to it (rich, print, Python's flush at exit) succeeds into
+  nothing. The job runs on, the outputs file is finished as usual, and the exit code is the job's.
 
 Results (the bench comparison, the memory profile) go to stdout, so they can be piped and saved;
 progress, spinners and errors stay on stderr. Every table fits 80 columns without cutting a cell:
@@ -24,18 +27,21 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
+# Why a terminal write fails: OSError (EPIPE, ENOSPC, EBADF, EIO, ...); ValueError if the stream was closed.
+TERMINAL_FAILURES = (OSError, ValueError)
 
-class PipeSafe:
-    """A text stream that goes quiet, instead of raising, once its reader has gone."""
+
+class QuietOnFailure:
+    """A text stream that goes quiet, instead of raising, once a write to it fails."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
-        self.reader_gone = False
+        self.gone = False
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except TERMINAL_FAILURES:
             self._silence()
             return len(text)
 
@@ -46,11 +52,11 @@ class PipeSafe:
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except TERMINAL_FAILURES:
             self._silence()
 
     def _silence(self) -> None:
-        self.reader_gone = True
+        self.gone = True
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             try:
@@ -58,22 +64,50 @@ class PipeSafe:
             finally:
                 os.close(devnull)
             self._stream.flush()  # what the failed write left buffered now goes to /dev/null
-        except (OSError, ValueError):  # no descriptor (a test's captured stream): writes are dropped
+        except TERMINAL_FAILURES:  # no descriptor (a test's captured stream), or a closed one: writes are dropped
             self._stream = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the real stream's
         return getattr(self._stream, name)
 
 
+def open_closed_std_fds() -> None:
+    """Open /dev/null on each of descriptors 0, 1 and 2 that is closed (`2>&-`): the lowest free number
+    is what the next open() returns, so otherwise the job's lock or output file would become "stderr"."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            got = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if got != fd:  # (only if a lower one was closed meanwhile by another thread)
+                os.dup2(got, fd)
+                os.close(got)
+
+
+def _quiet(stream: TextIO | None) -> QuietOnFailure:
+    # Python leaves sys.stderr None when started with descriptor 2 closed; print(file=None) would then
+    # write to stdout, so it gets a stream into /dev/null instead.
+    return QuietOnFailure(stream if stream is not None else open(os.devnull, "w"))
+
+
 @contextmanager
-def reader_may_leave() -> Iterator[None]:
-    """Within: a closed stdout or stderr pipe silences that stream instead of ending the job."""
+def terminal_may_fail() -> Iterator[None]:
+    """Within: a closed, full or broken stdout or stderr silences that stream instead of ending the job."""
+    open_closed_std_fds()
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = (s if s is None else PipeSafe(s) for s in saved)
+    sys.stdout, sys.stderr = _quiet(saved[0]), _quiet(saved[1])
     try:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+
+
+def write_stderr(data: bytes) -> None:
+    """os.write to descriptor 2 (from a signal handler: the stream may be mid-write), dropped if it fails."""
+    try:
+        os.write(2, data)
+    except OSError:
+        pass
 
 
 WIDTH = 80  # the narrowest terminal the tables are designed for (tests/test_tables.py renders at it)

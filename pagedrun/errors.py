@@ -14,7 +14,10 @@ from typing import Any
 
 
 class PagedrunError(Exception):
-    """An error the user can fix; the CLI prints str(err) on one line, no traceback."""
+    """An error the user can fix; the CLI prints str(err) on one line, no traceback, and exits with
+    `exit_code`: 2, "a user error, nothing ran", unless a subclass says otherwise."""
+
+    exit_code = 2
 
 
 ECHO_CHARS = 80

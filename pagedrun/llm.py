@@ -21,6 +21,7 @@ from pagedrun.config.engine_args import engine_args_overrides
 from pagedrun.config.recipe import Recipe, load_recipe
 from pagedrun.engine.engine import LLMEngine
 from pagedrun.errors import PagedrunError
+from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
 from pagedrun.outputs import RequestOutput
 from pagedrun.report.metrics import RunTally, StepRecord
@@ -58,10 +59,12 @@ class LLM:
         return self.engine.tokenizer
 
     # ---- requests -----------------------------------------------------------------------------
-    def read_requests(self, path: Path, skip_invalid: bool = False) -> tuple[list[Request], list[InvalidRequest]]:
+    def read_requests(self, path: Path, skip_invalid: bool = False,
+                      batch_job: BatchJob | None = None) -> tuple[list[Request], list[InvalidRequest]]:
+        """A prompts file's requests; an OpenAI batch file needs `batch_job` (the ids' seed, the model's name)."""
         return read_requests(Path(path), self.tokenizer, self.recipe.sampling,
                              vocab_size=self.engine.model_config.vocab_size,
-                             max_model_len=self.engine.max_model_len, skip_invalid=skip_invalid)
+                             max_model_len=self.engine.max_model_len, skip_invalid=skip_invalid, batch_job=batch_job)
 
     def make_requests(self, prompts: Sequence[Any],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:

@@ -253,8 +253,9 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "logprobs": optional(int_check(lo=0, hi=MAX_LOGPROBS)),
     "presence_penalty": float_check("a number in [-2, 2]", lambda x: -2 <= x <= 2),
     "frequency_penalty": float_check("a number in [-2, 2]", lambda x: -2 <= x <= 2),
-    # vLLM accepts any value > 0; 1 = off, > 1 discourages repeats, < 1 encourages them.
-    "repetition_penalty": float_check("a number > 0 (1 = off)", lambda x: x > 0, cap=100.0),
+    # vLLM accepts any value > 0; 1 = off, > 1 discourages repeats, < 1 encourages them. Bounded both ways
+    # (1/100..100): the penalty divides or multiplies float32 logits, and 1e-300 is 0 there, making a row NaN.
+    "repetition_penalty": float_check("a number in [0.01, 100] (1 = off)", lambda x: 0.01 <= x <= 100),
     "logit_bias": _logit_bias,
     "structured_outputs": _structured_outputs,
 }

@@ -273,7 +273,7 @@ def test_generate_summary_fits_80_columns_and_folds_a_long_path():
     results = [NS(error=None, outputs=[NS(token_ids=[0] * 5)], prompt_token_ids=[0] * 7, metrics={})] * 3
     path = Path("/data/" + "x" * 120 + "/outputs.jsonl")
     console = Console(file=io.StringIO(), width=WIDTH, color_system=None)
-    print_summary(console, results, 123_456.78, path, _summary_report(), invalid=[])
+    print_summary(console, results, 123_456.78, path, _summary_report(), written=(3, 0))
     text = console.file.getvalue()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= WIDTH, text
     words = set(re.findall(r"\S+", text))

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from pagedrun.console import terminal_may_fail, write_stderr
 from pagedrun.errors import PagedrunError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -80,9 +81,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def run_guarded(debug: bool, fn, *args, **kwargs):
-    from pagedrun.console import reader_may_leave
-
-    with reader_may_leave():  # `pagedrun generate ... | head -2` must not end the job
+    # `pagedrun generate ... | head -2`, `2>&-`, `2>/dev/full`: the terminal goes quiet, the job runs on.
+    with terminal_may_fail():
         return _run_guarded(debug, fn, *args, **kwargs)
 
 
@@ -92,7 +92,7 @@ def _run_guarded(debug: bool, fn, *args, **kwargs):
     except PagedrunError as e:
         if debug:
             raise
-        fail(str(e))
+        fail(str(e), e.exit_code)
     except KeyboardInterrupt as e:
         if debug:
             raise
@@ -139,8 +139,8 @@ class StopFlag:
         if self.stop:
             # os.write, not the console: we may have interrupted a write to stderr.
             show_cursor = b"\x1b[?25h" if os.isatty(2) else b""  # the progress bar hid it
-            os.write(2, show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
-                     "file; run the same command again to resume\n".encode())
+            write_stderr(show_cursor + f"\nsecond {name}: exiting now; finished requests are kept in the output "
+                         "file; run the same command again to resume\n".encode())
             from pagedrun.io.writer import exit_when_line_complete
 
             exit_when_line_complete(128 + signum, self._exit_now)
@@ -152,14 +152,15 @@ class StopFlag:
             console.print(f"\n{name}: stopping after this step ({again} again to quit now)", style="yellow",
                           highlight=False, soft_wrap=True, markup=False)
         except RuntimeError:  # interrupted a write to stderr ("reentrant call"): say it plainly
-            os.write(2, f"\n{name}: stopping after this step ({again} again to quit now)\n".encode())
+            write_stderr(f"\n{name}: stopping after this step ({again} again to quit now)\n".encode())
 
     def __call__(self) -> bool:
         return self.stop
 
 
 @app.command(epilog="Exit codes: 0 every request has an output; 3 some requests failed, 4 all failed (their "
-                    "lines in the output hold \"error\"); 2 a user error, nothing ran; 130/143 stopped by "
+                    "lines in the output hold \"error\"); 2 a user error, nothing ran; 5 an error after requests "
+                    "began to run (finished ones are kept: run again to resume); 130/143 stopped by "
                     "Ctrl-C/SIGTERM (run again to resume).")
 @with_vllm_flags
 def generate(

@@ -43,6 +43,13 @@ from pagedrun.errors import PagedrunError
 EXIT_OK = 0  # every request has an output
 EXIT_SOME_FAILED = 3  # some requests are error records in the output
 EXIT_ALL_FAILED = 4  # every request is an error record
+EXIT_RUN_FAILED = 5  # an error once requests began to run: what finished is kept, a resume goes on
+
+
+class RunFailed(PagedrunError):
+    """An error after requests began to run: not exit code 2, "nothing ran" (it came after all the work once)."""
+
+    exit_code = EXIT_RUN_FAILED
 
 
 def open_stream_output(writer, stream, records, *, output: Path, quiet: bool, console: Console) -> None:
@@ -100,14 +107,15 @@ def job_exit_code(writer, total: int, output: Path, console: Console) -> int:
     return code
 
 
-def print_summary(console: Console, results, wall: float, output: Path, report, invalid) -> None:
+def print_summary(console: Console, results, wall: float, output: Path, report, written: tuple[int, int]) -> None:
+    """written: (records, error records) this run wrote: every line it answered, whichever pass failed it."""
     from rich.table import Table
 
     from pagedrun.report.metrics import RunTally
 
-    tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
-    n_ok = tally.num_ok
-    n_err = tally.num_errors + (invalid if isinstance(invalid, int) else len(invalid))
+    tally = RunTally.of(results)  # a list of RequestOutputs, or their tally: the tokens and latencies
+    n_err = written[1]
+    n_ok = written[0] - n_err
     out_tokens = tally.output_tokens
     prompt_tokens = tally.prompt_tokens + tally.error_prompt_tokens
     t = Table(title="pagedrun generate", show_header=False, box=None)
@@ -218,10 +226,22 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         counters["out_tokens"] += n
         progress.update(task, tps=counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9))
 
-    with progress:
-        task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
-        executor.run(pulled(), on_output, on_tokens, stop)
-    wall = time.perf_counter() - t0
+    try:  # from here requests run: an error is not "nothing ran" (exit code 2), whatever it is
+        with progress:
+            task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
+            executor.run(pulled(), on_output, on_tokens, stop)
+        return _finish(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
+                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0)
+    except RunFailed:
+        raise
+    except PagedrunError as e:
+        raise RunFailed(f"{e}; {len(writer.done)} of {stream.num_lines} requests are in {output}: run the same "
+                        "command again to resume") from None
+
+
+def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
+            stop, inputs: tuple[Path, ...], wall: float) -> int:
+    """After the run: the output in input order (or closed, if stopped), the report, the summary, the exit code."""
     change = stream.snapshot.change()
     if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
         console.print(change, style="yellow", highlight=False, soft_wrap=True, markup=False)
@@ -236,7 +256,7 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
     if recipe.output.report:
         from pagedrun.report.report import write_report
 
-        report = executor.report(wall, interrupted)
+        report = count_records(executor.report(wall, interrupted), writer)
         report_file = write_report(report, output)
         if plot is not None and executor.plots:
             try:
@@ -246,16 +266,25 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
                               markup=False)
                 plot = None
     if not quiet:
-        print_summary(console, executor.results, wall, output, executor.summary(console, report), len(stream.invalid))
+        print_summary(console, executor.results, wall, output, executor.summary(console, report),
+                      (writer.written, writer.written_errors))
         if report is not None:
-            console.print(f"report: {report_file}" + (f", plot: {plot}" if plot is not None and executor.plots else ""),
-                          highlight=False)
+            drawn = f", plot: {plot}" if plot is not None and executor.plots else ""
+            console.print(f"report: {report_file}{drawn}", highlight=False)
     if interrupted:
         console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
                       f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
     return job_exit_code(writer, stream.num_lines, output, console)
+
+
+def count_records(report: dict, writer) -> dict:
+    """The report's request counts are the records this run wrote: the engine's tally misses the lines
+    that failed before reaching it (at either pass), which the summary and the exit code count."""
+    counts = report["total"] if report.get("mode") == "ray" else report
+    counts["num_requests"], counts["num_errors"] = writer.written, writer.written_errors
+    return report
 
 
 def check_plot_option(plot: Path, output: Path, inputs) -> None:
@@ -276,8 +305,11 @@ def check_requests(recipe, snapshot, skip_invalid: bool, writer):
     from pagedrun.io.stream import RequestStream
 
     tokenizer, cfg, max_model_len = request_checker(recipe)
-    # Ids derive from the file's content; `created` is its mtime: both stable when a job is re-run.
-    job = BatchJob(input_sha256=snapshot.sha256, model=model_name(recipe), created=snapshot.mtime,
+    # Ids derive from the file's content; `created` is its mtime when OUT was started, kept in OUT's meta
+    # file for every resume (io/writer.py): one value per output file.
+    if writer.created is None:
+        writer.created = snapshot.mtime
+    job = BatchJob(input_sha256=snapshot.sha256, model=model_name(recipe), created=writer.created,
                    system_fingerprint="pagedrun-" + recipe.fingerprint()[:16])
     stream = RequestStream(snapshot.path, recipe.sampling, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                            tokenizer=tokenizer, skip_invalid=skip_invalid, batch_job=job, snapshot=snapshot)

@@ -44,7 +44,7 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
     engine = llm.engine
     fit = None
     if prompts is not None:
-        requests, invalid = llm.read_requests(Path(prompts), skip_invalid=True)
+        requests, invalid = llm.read_requests(Path(prompts), skip_invalid=True, batch_job=_batch_job(prompts, recipe))
         if engine.memory.kv_groups:  # sliding groups hold their window: the manager's own count
             blocks = [engine.kv.blocks_to_finish(len(r.prompt_token_ids), min(len(r.prompt_token_ids) +
                       r.sampling.max_tokens, engine.max_model_len), r.sampling.n) for r in requests]
@@ -65,6 +65,18 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
     out.print(kv_dtype_table(data["kv_dtypes"], engine.memory.kv_budget_bytes, engine.max_model_len, fmt_bytes))
     _write_json(json_path, data)
     return 0
+
+
+def _batch_job(prompts: Path, recipe):
+    """What an OpenAI batch file's lines are checked with, as `pagedrun generate` would (the ids are not shown)."""
+    import hashlib
+
+    from pagedrun.cli.job import model_name
+    from pagedrun.io.openai_batch import BatchJob
+
+    with open(prompts, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    return BatchJob(input_sha256=sha, model=model_name(recipe), created=0)
 
 
 def _write_json(path: Path | None, data: dict) -> None:

@@ -40,6 +40,10 @@ MAX_SWAP_GIB = 1 << 16
 MAX_NUM_SEQS = 1 << 16
 MAX_BATCHED_TOKENS = 1 << 24
 MAX_REPLICAS = 4096
+# fp8 layer scales are float32 and multiply codes up to 57344 (e5m2's max) on read, and divide values on write:
+# within [1e-20, 1e20] both stay finite for any activation below 1e18 (1e39 was infinite once stored, 1e38 read
+# back as inf, 1e-45 a denormal that turned every value into the format's max).
+MIN_KV_SCALE, MAX_KV_SCALE = 1e-20, 1e20
 
 
 # ---------------------------------------------------------------- sizes
@@ -118,6 +122,10 @@ _KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 
+_kv_scale = float_check(f"a number in [{MIN_KV_SCALE:g}, {MAX_KV_SCALE:g}] (null: calibrated at start-up)",
+                        lambda x: MIN_KV_SCALE <= x <= MAX_KV_SCALE)
+
+
 CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "model": {
         "path": _non_empty_str,  # resolved in model_path
@@ -137,8 +145,8 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "hybrid_kv": bool_check,
         "watermark": float_check("a number in [0, 1)", lambda x: 0 <= x < 1),
         "kv_cache_dtype": _choice(KV_CACHE_DTYPES, _KV_DTYPE_ALIASES),
-        "k_scale": optional(float_check("a number > 0 (null: calibrated at start-up)", lambda x: x > 0)),
-        "v_scale": optional(float_check("a number > 0 (null: calibrated at start-up)", lambda x: x > 0)),
+        "k_scale": optional(_kv_scale),
+        "v_scale": optional(_kv_scale),
     },
     "scheduler": {
         "max_num_seqs": int_check(lo=1, cap=MAX_NUM_SEQS),

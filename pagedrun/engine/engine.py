@@ -159,8 +159,14 @@ class LLMEngine:
         for s, fan, gens in row_owner:
             tokens = result.token_ids[j : j + fan]
             lps = result.logprobs[j : j + fan]
+            why = next((result.errors[k] for k in range(j, j + fan) if k in result.errors), None)
             j += fan
             group = s.group
+            if group.error is not None:  # failed by an earlier row of this step: its sequences are freed
+                continue
+            if why is not None:  # nothing to sample from (NaN logits): this request alone fails, with no token
+                self._fail_group(group, f"{why}, at output token {s.seq.num_output_tokens + 1}")
+                continue
             seqs = [s.seq]
             if fan > 1:
                 seqs += self._fork(group, gens[1:])

@@ -1,6 +1,6 @@
 """The files a run writes beside its output, and the rules that keep them from clobbering others.
 
-For `-o OUT` a run writes OUT, `OUT.meta.json` (the job's fingerprint), `<OUT's stem>.report.json`
+For `-o OUT` a run writes OUT, `OUT.meta.json` (the job's fingerprint), `OUT.report.json`
 and, while it runs, `OUT.lock` (the holder's pid, host and start time: a note, for the message a
 second run gives; the exclusive flock that refuses that run is on OUT itself, see OutputLock) and
 hidden temporary files `.<name>.<pid>.tmp` that are renamed over the real names. pagedrun writes
@@ -48,8 +48,9 @@ def meta_path(out: Path) -> Path:
 
 
 def report_path(out: Path) -> Path:
-    """outputs.jsonl -> outputs.report.json, beside it."""
-    return out.with_name(out.stem + ".report.json")
+    """outputs.jsonl -> outputs.jsonl.report.json, beside it: by OUT's whole name, as the meta and lock
+    files, so that two outputs never share one (by the stem, res.json and res.jsonl both wrote res.report.json)."""
+    return out.with_name(out.name + ".report.json")
 
 
 def lock_path(out: Path) -> Path:

@@ -5,14 +5,17 @@ Input line:  {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" 
               "body": {...the request, OpenAI's field names...}}
 Output line: {"id": "batch_req_...", "custom_id", "response": {"status_code": 200, "request_id",
               "body": <chat.completion | text_completion>}, "error": null}
-             {"id", "custom_id", "response": null, "error": {"code", "message"}}  (a failed line)
+             {"id", "custom_id", "response": {"status_code": 400 | 500, "request_id", "body": {"error":
+              {"message", "type", "param", "code"}}}, "error": null}  (a failed request, as the Batch API
+              writes one that the endpoint refused: the body is the endpoint's error object)
 
 Choices, documented in README.md ("Running an OpenAI batch file"):
   * ids are derived from the job, not random: sha256 of the input file's content hash and the line's
     custom_id (or, for a line that cannot run, its line number), so a resumed or repeated run writes
     the same ids, and the output's `id` doubles as the resume key (io/writer.py);
-  * `created` is the input file's modification time: one value for every line of a job, the same
-    when the job is resumed or run again on the unchanged file;
+  * `created` is the input file's modification time when the output was started: one value for every
+    line of an output file, kept in its meta file, so a resume writes the same even if the input was
+    touched meanwhile;
   * a body `model` other than the recipe's model runs anyway on the recipe's model (one warning for
     the file): batch files name hosted models, and the output's `model` says which one ran;
   * a field missing from the body takes the recipe's `sampling:` value (pagedrun's defaults:
@@ -20,7 +23,9 @@ Choices, documented in README.md ("Running an OpenAI batch file"):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +45,22 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "
              "min_p": "min_p", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
              "stop_token_ids": "stop_token_ids"}
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
-# Fields that change what a response means; refused (per line) unless absent, null or their no-op value.
-_UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
-                "modalities": None, "prediction": None, "parallel_tool_calls": None, "web_search_options": None,
-                "reasoning_effort": None, "verbosity": None, "stream": False, "echo": False, "suffix": None,
-                "best_of": 1}
+# Fields that change what a response means; refused (per line) unless absent, null or one of their no-op
+# values: what a client sends when it means "none of that" (no tools: tool_choice "none" or "auto",
+# parallel_tool_calls either way; text out: modalities ["text"]).
+_UNSUPPORTED: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "audio": (), "modalities": (["text"],), "prediction": (), "parallel_tool_calls": (True, False),
+    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "stream": (False,), "echo": (False,),
+    "suffix": (), "best_of": (1,)}
+# Keys of a message besides role and content: accepted when null or empty (an assistant message copied
+# back from a response carries "refusal": null, "annotations": [], ...), refused otherwise.
+_MESSAGE_NO_OP_KEYS = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations"})
+
+
+def _is_no_op(value: Any, no_ops: tuple) -> bool:
+    """None, or one of `no_ops` of the same type (True is not 1, False is not 0)."""
+    return value is None or any(type(value) is type(x) and value == x for x in no_ops)
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
                         "parallel_tool_calls", "web_search_options", "reasoning_effort", "verbosity"})
@@ -134,7 +150,7 @@ def parse_batch_line(obj: dict) -> BatchRequest:
         raise BatchLineError(f"body.{clip(str(key))}", f"not a field of {url}" if key in _KNOWN else "unknown field")
     if not body.keys().isdisjoint(_UNSUPPORTED):
         for key in body:
-            if key in _UNSUPPORTED and body[key] is not None and body[key] != _UNSUPPORTED[key]:
+            if key in _UNSUPPORTED and not _is_no_op(body[key], _UNSUPPORTED[key]):
                 raise BatchLineError(f"body.{key}", "not supported by pagedrun")
     overrides = _sampling_overrides(body, chat)
     batch = BatchLine(custom_id=obj["custom_id"], url=url)
@@ -228,7 +244,7 @@ def _messages(messages: Any) -> list[dict]:
         if role not in ROLES:
             raise BatchLineError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {echo_json(role)}")
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name") and not (key in _MESSAGE_NO_OP_KEYS and m[key] in (None, [])):
                 raise BatchLineError(f"{where}.{clip(str(key))}", "not supported by pagedrun")
         out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
     return out
@@ -263,8 +279,10 @@ def _prompt(prompt: Any) -> tuple[str, Any]:
 #
 # The shapes are the `openai` package's (tests validate every body with openai.types.chat.ChatCompletion
 # and openai.types.Completion). Token strings are the tokenizer's decoding of the one token; `bytes`
-# are their UTF-8 bytes. A completion's text_offset counts characters from the start of its generated
-# text (pagedrun never echoes the prompt).
+# are the token's own bytes (_TokenText), so that joining them rebuilds the text even where a token holds
+# part of a character. Logprobs cover the text's tokens: not the stop token that ended the completion
+# (EOS, a stop_token_ids entry), which the text leaves out too. A completion's text_offset counts
+# characters from the start of its generated text (pagedrun never echoes the prompt).
 
 # OpenAI's finish reasons are stop | length (| content_filter, tool_calls): pagedrun's own stop
 # reasons (a stop string, a stop token id, EOS) are all "stop".
@@ -285,12 +303,12 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
             if batch.logprobs:
-                choice["logprobs"] = {"content": [_chat_logprob(e, tokens) for e in c.logprobs or []],
+                choice["logprobs"] = {"content": [_chat_logprob(e, tokens) for e in _text_entries(c)],
                                       "refusal": None}
         else:
             choice["text"] = c.text
             if batch.logprobs:
-                choice["logprobs"] = _completion_logprobs(c.logprobs or [], tokens)
+                choice["logprobs"] = _completion_logprobs(_text_entries(c), tokens)
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in o.outputs)
     prompt_tokens = len(o.prompt_token_ids)
@@ -309,30 +327,102 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
             "response": {"status_code": 200, "request_id": "req_" + suffix, "body": body}, "error": None}
 
 
+# "file:line: body.field: why" -> the field, OpenAI's `param` (messages, body.messages[0].role -> messages)
+_PARAM = re.compile(r"^[^:]*:\d+: body\.([A-Za-z_]+)")
+
+
 def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> dict:
-    """A line that failed: `custom_id` is null only when the input line has no readable one."""
-    return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    """A request that failed, in the Batch API's shape for one its endpoint refused: status 400 and an
+    invalid_request_error for a line that cannot run (code context_length_exceeded for a prompt too long,
+    else null), 500 and a server_error for one that failed while it ran (code request_failed).
+    `custom_id` is null only when the input line has no readable one."""
+    failed_running = code == "request_failed"
+    param = _PARAM.match(message)
+    error = {"message": message, "type": "server_error" if failed_running else "invalid_request_error",
+             "param": param.group(1) if param else None, "code": code if code != "invalid_request" else None}
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": 500 if failed_running else 400,
+                         "request_id": "req_" + line_id.removeprefix("batch_req_"), "body": {"error": error}},
+            "error": None}
+
+
+def is_failed_line(record: dict) -> bool:
+    """An output line of a request that failed: its response's status is not 200 (or, from pagedrun before
+    failed lines took the Batch API's shape, its `error` is set)."""
+    response = record.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    return record.get("error") is not None or (status is not None and status != 200)
+
+
+def _text_entries(c) -> list[dict]:
+    """A completion's logprob entries less the stop token that ended it (EOS: stop_reason None; a stop
+    token id: an int), which its text does not hold (the chat template's end-of-turn, for one)."""
+    entries = c.logprobs or []
+    ended_on_token = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+    if ended_on_token and entries and c.token_ids and entries[-1]["token_id"] == c.token_ids[-1]:
+        return entries[:-1]
+    return entries
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level vocabulary writes -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class _TokenText:
-    """Token id -> its text, decoded once per id (a completion repeats tokens; top-N lists more so)."""
+    """Token id -> its text and its bytes, once per id (a completion repeats tokens; top-N lists more so).
+
+    The text is the tokenizer's decoding of the one token: a token holding part of a character (an emoji's
+    first bytes) decodes to U+FFFD. Its bytes come from its vocabulary entry instead: a byte-level
+    vocabulary's characters map back to bytes, a byte-fallback piece <0xE2> is that byte; other tokens
+    (whole characters) are their text's UTF-8."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        self.byte_of = _byte_decoder() if self.byte_level else {}
 
     def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
+        return self.entry(token_id)[0]
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        got = self.cache.get(token_id)
+        if got is None:
             text = "" if self.tokenizer is None else self.tokenizer.decode([token_id])
-            self.cache[token_id] = text
-        return text
+            got = self.cache[token_id] = (text, self._bytes(token_id, text))
+        return got
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        if self.tokenizer is None or "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self.byte_level and all(ch in self.byte_of for ch in piece):
+                return [self.byte_of[ch] for ch in piece]
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+        return list(text.encode("utf-8"))
 
 
 def _chat_logprob(entry: dict, tokens: _TokenText) -> dict:
     def one(token_id: int, logprob: float) -> dict:
-        text = tokens(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = tokens.entry(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
     return {**one(entry["token_id"], entry["logprob"]), "top_logprobs": [one(t, lp) for t, lp in entry["top"]]}
 

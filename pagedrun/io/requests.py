@@ -79,6 +79,11 @@ class Unrunnable(LineError):
     refuses): an error record even without skip_invalid, as a prompt over max_model_len."""
 
 
+class FormatRefused(PagedrunError):
+    """The whole file is in a format this reader cannot answer (an OpenAI batch file without a BatchJob):
+    one error for the file, never an error record per line."""
+
+
 class LineFailure(Exception):
     """A line that cannot run: `message` is the whole one-line error (file:line: field: why)."""
 
@@ -143,7 +148,8 @@ class LineChecker:
             if self.format is None:
                 self.format, self.format_line = fmt, lineno
                 if fmt == OPENAI and self.batch_job is None:
-                    raise LineError(None, "an OpenAI batch file: only `pagedrun generate` (without --ray) reads these")
+                    raise FormatRefused(f"{self.name}:{lineno}: an OpenAI batch file: `pagedrun generate` (without "
+                                        "--ray) and `pagedrun profile-memory --prompts` read these")
             if fmt != self.format:
                 raise LineError(None, f"{_LINE_NAMES[fmt]} in {_FILE_NAMES[self.format]} (line "
                                       f"{self.format_line} decided the format; one format per file)")
@@ -162,6 +168,8 @@ class LineChecker:
                                           f"(first used on line {self.first_line_of_id[spec.id]})")
             self.first_line_of_id[spec.id] = lineno
             return spec
+        except FormatRefused:
+            raise
         except (LineError, BatchLineError) as e:
             field = f" {e.field}:" if e.field else ""
             message = f"{self.name}:{lineno}:{field} {e.message}"

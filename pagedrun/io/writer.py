@@ -49,6 +49,7 @@ from pagedrun.io.file_safety import (
     report_path,
     temp_path,
 )
+from pagedrun.io.openai_batch import is_failed_line
 
 META_VERSION = 1
 
@@ -84,7 +85,7 @@ class OutputWriter:
     """`OutputWriter(path, fingerprint)` checks every path the run will write, takes the output's
     lock and reads a previous run's output without changing anything (so a refusal costs nothing);
     `open()` starts writing, `close()` lets the lock go. `inputs`: the run's input files, which no
-    derived file may be; `report`: the run will write `<stem>.report.json`."""
+    derived file may be; `report`: the run will write `OUT.report.json`."""
 
     def __init__(self, path: Path, fingerprint: dict, *, overwrite: bool = False, fsync_interval_s: float = 5.0,
                  inputs: tuple[Path | None, ...] = (), report: bool = False):
@@ -95,6 +96,13 @@ class OutputWriter:
         self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
         self.failed: set[Key] = set()  # error records among them
         self.resumed = 0  # records kept from a previous run
+        # Records this run wrote, and the error records among them (lines that could not run, at either pass,
+        # and requests that failed): what the summary and the report count, from the one place they all reach.
+        self.written = 0
+        self.written_errors = 0
+        # A batch output's `created`, fixed by the run that started OUT and kept in its meta file, so that one
+        # file never holds two values (the prompts file's mtime may change between a run and its resume).
+        self.created: int | None = None
         self.discarded = 0  # lines of a previous run dropped (torn, unparseable or repeated)
         self._needs_rewrite = False
         self._fd: int | None = None
@@ -138,6 +146,8 @@ class OutputWriter:
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
             raise PagedrunError(f"{meta}: unreadable; pass --overwrite to start afresh, or choose another -o") from None
+        created = previous.get("created")
+        self.created = created if isinstance(created, int) and not isinstance(created, bool) else None
         changed = [k for k, v in self.fingerprint.items() if old.get(k) != v]
         if changed:
             what = " and ".join("recipe" if k == "recipe" else "prompts file" if k == "prompts" else k
@@ -170,6 +180,8 @@ class OutputWriter:
                     self.discarded += 1
                     continue
                 self._remember(key, rec, start, len(raw))
+                if self.created is None:  # a meta file from before `created` was kept there: the records'
+                    self.created = _created_of(rec)
         self._needs_rewrite = self._needs_rewrite or self.discarded > 0
 
     def _read_locked(self):
@@ -182,7 +194,7 @@ class OutputWriter:
 
     def _remember(self, key: Key, record: dict, offset: int, length: int, line: int = 0) -> None:
         self.done[key] = _pack(line, offset, length)
-        if record.get("error") is not None:
+        if is_error_record(record):
             self.failed.add(key)
 
     # ---- writing --------------------------------------------------------------------------------
@@ -210,8 +222,10 @@ class OutputWriter:
         self._last_fsync = time.monotonic()
 
     def _write_meta(self) -> None:
-        replace_file(meta_path(self.path), (json.dumps({"version": META_VERSION, "fingerprint": self.fingerprint},
-                                                       indent=1) + "\n").encode("utf-8"), fsync=True)
+        meta = {"version": META_VERSION, "fingerprint": self.fingerprint}
+        if self.created is not None:
+            meta["created"] = self.created
+        replace_file(meta_path(self.path), (json.dumps(meta, indent=1) + "\n").encode("utf-8"), fsync=True)
 
     def write(self, record: dict, key: Key | None = None, input_line: int = 0) -> None:
         """Append one record (key defaults to record_key(record)); `input_line`: the input line it answers
@@ -233,6 +247,8 @@ class OutputWriter:
                 view = view[n:]
             self._remember(key, record, self._size, len(line), input_line)
             self._size += len(line)
+            self.written += 1
+            self.written_errors += is_error_record(record)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval_s:
                 os.fsync(self._fd)
@@ -328,6 +344,20 @@ class OutputWriter:
 
 
 _LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+
+
+def is_error_record(record: dict) -> bool:
+    """An error record: pagedrun's (`error` set) or a batch output's failed line (a non-200 response)."""
+    return is_failed_line(record)
+
+
+def _created_of(record: object) -> int | None:
+    """A batch output line's response.body.created, or None."""
+    try:
+        created = record["response"]["body"]["created"]  # type: ignore[index]
+    except (KeyError, TypeError):
+        return None
+    return created if isinstance(created, int) and not isinstance(created, bool) else None
 
 
 def _pack(line: int, offset: int, length: int) -> int:

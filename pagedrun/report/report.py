@@ -178,8 +178,8 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/build/cpu.py) loaded: on, or off and why; "
                        "null on a GPU"),
     "num_steps": (M, "engine steps recorded"),
-    "num_requests": (M, "requests finished in this run"),
-    "num_errors": (M, "requests finished with an error"),
+    "num_requests": (M, "records written by this run (cli/job.py): requests finished, and lines that could not run"),
+    "num_errors": (M, "error records among them: lines that could not run and requests that failed"),
     "memory_plan": (M, "the KV cache plan the engine allocated (pagedrun.worker.memory.MemoryPlan)"),
     "hybrid_kv.groups": (M, "the KV cache groups: layers grouped by attention window (kv/groups.py)"),
     "hybrid_kv.blocks_freed_by_window": (M, "blocks sliding-window groups gave back as the window moved on"),
@@ -273,7 +273,7 @@ def _provenance(report: dict) -> dict[str, str]:
 
 
 def write_report(report: dict, output: Path) -> Path:
-    """<output's stem>.report.json, through a temporary file and a rename; refused (one line) if a
+    """OUT.report.json (file_safety.report_path), through a temporary file and a rename; refused (one line) if a
     file pagedrun did not write has appeared there since the run started (io/file_safety.py)."""
     path = report_path(output)
     check_derived(path, "report", output, (), is_report)

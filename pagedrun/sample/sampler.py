@@ -11,7 +11,7 @@ its own history, never on which other requests share the batch or in which order
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,23 @@ class SampleResult:
     # Per row, when that row asked for logprobs: {"logprob": lp of the sampled token,
     # "top": [[token_id, logprob], ...]} from the model's raw distribution (vLLM's default).
     logprobs: list[dict | None]
+    # Rows that had nothing to sample from (NaN or infinite logits after penalties and masks), and why: their
+    # token is a placeholder the engine never appends; the request fails alone (engine.py).
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+UNSAMPLEABLE = ("sampling: no finite distribution to sample from (NaN or infinite logits after logit_bias, "
+                "penalties and temperature)")
+
+
+def unsampleable_rows(x: torch.Tensor, probabilities: bool = False) -> list[int]:
+    """Rows of logits (or probabilities) with nothing to sample, in one reduction: a row's max is NaN when
+    any entry is, +inf when one is, -inf when every token is masked (0 when every probability is)."""
+    top = x.amax(dim=-1)
+    bad = ~torch.isfinite(top)
+    if probabilities:
+        bad |= top <= 0
+    return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -62,7 +79,8 @@ class Sampler:
                for r in rows):
             # The usual case: the argmax of the model's logits (widening bf16 is exact: the same
             # answer as on float32), no float32 copy, no row gather.
-            return SampleResult(argmax_rows(logits).tolist(), [None] * len(rows))
+            return SampleResult(argmax_rows(logits).tolist(), [None] * len(rows),
+                                dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE))
         raw = logits.float()
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
@@ -70,6 +88,7 @@ class Sampler:
         logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
+        errors = dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE)
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -82,11 +101,14 @@ class Sampler:
         if random:
             idx = torch.tensor(random)
             probs = self._processed_probs(logits[idx], [rows[i].params for i in random])
+            for j in unsampleable_rows(probs, probabilities=True):  # e.g. a temperature that overflowed
+                errors.setdefault(random[j], UNSAMPLEABLE)
+                probs[j] = 1.0  # a placeholder draw, never appended: the row's request fails
             if self.rng == "counter" or (self.rng == "auto" and probs.device.type == "cuda"):
                 exp = counter_rng.exponentials(self._keys(rows, random), vocab, probs.device)
                 token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
                 ids = token_ids.tolist()
-                return SampleResult(ids, self._logprobs(raw, rows, ids))
+                return SampleResult(ids, self._logprobs(raw, rows, ids), errors)
             exp = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(random) if rows[i].generator is None]
             if unseeded:
@@ -100,7 +122,7 @@ class Sampler:
             token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
 
         ids = token_ids.tolist()
-        return SampleResult(ids, self._logprobs(raw, rows, ids))
+        return SampleResult(ids, self._logprobs(raw, rows, ids), errors)
 
     def _keys(self, rows: list[SamplingRow], random: list[int]) -> list[int]:
         """The counter path's key per random row: (seed, position of the token drawn); unseeded rows

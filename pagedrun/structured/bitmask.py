@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 
-def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
-    """(len(grammars), ceil(vocab / 32)) int32 bitmasks, one row per grammar, in one pass.
+def fill_bitmasks(grammars: list, vocab_size: int, mask_vocab: int | None = None) -> torch.Tensor:
+    """(len(grammars), ceil(mask_vocab / 32)) int32 bitmasks, one row per grammar, in one pass.
 
-    In the calling thread: 64 rows are quick (docs/log/2026-11-23-structured-outputs.md), and a
-    thread pool (llguidance's LLExecutor) would compete for the cores torch's threads use for the
-    model."""
-    words = (vocab_size + 31) // 32
+    mask_vocab: the grammar engine's vocabulary (the tokenizer's, when larger than the model's
+    vocab_size); a grammar that allows only tokens at or past vocab_size fails, as the model cannot
+    produce them. In the calling thread: 64 rows are quick (docs/log/2026-11-23-structured-outputs.md),
+    and a thread pool (llguidance's LLExecutor) would compete for the cores torch's threads use."""
+    words = (max(vocab_size, mask_vocab or 0) + 31) // 32
     bitmask = torch.empty((len(grammars), words), dtype=torch.int32)
     for i, g in enumerate(grammars):
         if g.error is None:
@@ -35,12 +36,20 @@ def fill_bitmasks(grammars: list, vocab_size: int) -> torch.Tensor:
             else:
                 if g.matcher.is_error():
                     g.fail(g.matcher.get_error())
-                elif not bitmask[i].any() and not g.matcher.is_stopped():
-                    g.fail("no token can continue the grammar")
+                elif not _any_below(bitmask[i], vocab_size) and not g.matcher.is_stopped():
+                    g.fail("no token of the model's vocabulary can continue the grammar")
         if g.error is not None:
             # Any token: the row's draw stays finite, and the engine drops it with its request.
             bitmask[i].fill_(-1)
     return bitmask
+
+
+def _any_below(row: torch.Tensor, vocab_size: int) -> bool:
+    """Whether the bitmask row allows a token id below vocab_size."""
+    full, rest = divmod(vocab_size, 32)
+    if bool(row[:full].any()):
+        return True
+    return bool(rest) and bool(int(row[full]) & ((1 << rest) - 1))
 
 
 def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -59,7 +68,8 @@ def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[int], grammars: list
         if id(g) not in distinct:
             distinct[id(g)] = len(unique)
             unique.append(g)
-    masked = disallowed_tokens(fill_bitmasks(unique, vocab), vocab)
+    mask_vocab = max(g.mask_vocab for g in unique)
+    masked = disallowed_tokens(fill_bitmasks(unique, vocab, mask_vocab), vocab)
     if len(unique) != len(grammars):
         masked = masked[torch.tensor([distinct[id(g)] for g in grammars])]
     masked = masked.to(logits.device, non_blocking=True)

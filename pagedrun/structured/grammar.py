@@ -96,14 +96,16 @@ def _short(msg: str) -> str:
 
 class Grammar:
     """One sequence's matcher, how many of its output tokens it has accepted, and, once the grammar
-    engine gave up on it, why (then nothing more is fed to the matcher)."""
+    engine gave up on it, why (then nothing more is fed to the matcher); mask_vocab: the width of its
+    token masks, the grammar engine's vocabulary (0: the model's)."""
 
-    __slots__ = ("matcher", "num_accepted", "error")
+    __slots__ = ("matcher", "num_accepted", "error", "mask_vocab")
 
-    def __init__(self, matcher: Any, num_accepted: int = 0, error: str | None = None):
+    def __init__(self, matcher: Any, num_accepted: int = 0, error: str | None = None, mask_vocab: int = 0):
         self.matcher = matcher
         self.num_accepted = num_accepted
         self.error = error
+        self.mask_vocab = mask_vocab
 
     def fail(self, why: object) -> None:
         if self.error is None:
@@ -143,12 +145,12 @@ class Grammar:
 
     def fork(self) -> Grammar:
         if self.error is not None:
-            return Grammar(self.matcher, self.num_accepted, self.error)
+            return Grammar(self.matcher, self.num_accepted, self.error, self.mask_vocab)
         try:
-            return Grammar(self.matcher.deep_copy(), self.num_accepted)
+            return Grammar(self.matcher.deep_copy(), self.num_accepted, mask_vocab=self.mask_vocab)
         except Exception as e:
             self.fail(e)
-            return Grammar(self.matcher, self.num_accepted, self.error)
+            return Grammar(self.matcher, self.num_accepted, self.error, self.mask_vocab)
 
     @property
     def is_terminated(self) -> bool:
@@ -167,7 +169,11 @@ class StructuredOutputManager:
             raise PagedrunError("structured outputs need the model's tokenizer; this model has none")
         # Slow for a large vocabulary (docs/log/2026-11-27-figures-from-code-comments.md): built once,
         # on the first constrained request.
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+        # The grammar engine's vocabulary covers every token the tokenizer knows: a tokenizer larger than
+        # the model's output layer (added tokens past its vocab_size) is refused by llguidance otherwise.
+        # Masks are that wide; the sampler uses their first vocab_size bits (bitmask.py).
+        self.mask_vocab = max(vocab_size, len(tokenizer))
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.mask_vocab,
                                                          eos_token=sorted(eos_token_ids))
         self.eos_token_ids = set(eos_token_ids)
         self.grammars: dict[int, Grammar] = {}
@@ -189,7 +195,7 @@ class StructuredOutputManager:
             if len(self._initial) >= _MAX_CACHED:
                 self._initial.clear()
             self._initial[key] = initial
-        self.grammars[seq_id] = Grammar(initial.deep_copy())
+        self.grammars[seq_id] = Grammar(initial.deep_copy(), mask_vocab=self.mask_vocab)
 
     def get(self, seq_id: int) -> Grammar | None:
         return self.grammars.get(seq_id)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedrun.errors import PagedrunError
+
 # Decoder layers the pass runs. Every layer has the same shapes and frees its intermediates before
 # the next one starts (only h and the residual cross a layer), so the peak of the first layers is
 # the peak of all of them; two, not one, so the pass also sees a layer that starts from the
@@ -160,6 +162,49 @@ def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
     return [min(q + (i < r), max_model_len) for i in range(seqs)]
 
 
+# Host bytes per profiled token the pass holds whatever the model: its id in a Python list (a pointer),
+# its position and its slot as int64. A lower bound: torch's intermediates come on top.
+_INDEX_BYTES_PER_TOKEN = 24
+_FIX = "lower scheduler.max_num_batched_tokens (or scheduler.max_num_seqs, model.max_model_len)"
+
+
+class ProfileTooLarge(PagedrunError):
+    """The recipe's worst step cannot even be profiled on this machine (one line, with the numbers)."""
+
+
+def profile_floor_bytes(model_cfg, lens: list[int], block_size: int, dtype: torch.dtype, num_layers: int) -> int:
+    """What the profile pass allocates at the least: its K/V blocks (exact) and, per token, the ids and the
+    tensors that live together inside a layer's MLP: residual, normed input, the activation's output (the
+    CPU kernel fuses gate and up into it)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    blocks = sum(-(-(n + 1) // block_size) for n in lens)
+    kv = 2 * num_layers * blocks * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
+    per_token = _INDEX_BYTES_PER_TOKEN + elem * (2 * model_cfg.hidden_size + model_cfg.intermediate_size)
+    return kv + per_token * sum(lens)
+
+
+def check_profile_fits(need: int, available: int, lens: list[int], where: str) -> None:
+    """Refuse, before allocating anything, a step whose profile pass cannot fit what `where` has
+    available: otherwise the allocator fails partway (docs/log/2026-11-27-hardening-round-three.md)."""
+    if need <= available:
+        return
+    tokens = sum(lens)
+    fit = max(1, tokens * available // max(need, 1))
+    raise ProfileTooLarge(
+        f"scheduler.max_num_batched_tokens: a step of {tokens:,} tokens over {len(lens):,} sequences needs at "
+        f"least {need / (1 << 30):.2f} GiB to profile, more than the {available / (1 << 30):.2f} GiB {where} has "
+        f"available; about {fit:,} tokens fit: {_FIX}")
+
+
+def _allocation_failed(e: BaseException) -> bool:
+    """An allocator's refusal (torch's CPU allocator raises a plain RuntimeError), not a bug."""
+    from pagedrun.worker.cache_engine import CUDA_OOM
+
+    text = str(e)
+    return isinstance(e, (MemoryError, CUDA_OOM)) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     for t in (*model.parameters(), *model.buffers()):
@@ -174,14 +219,35 @@ def run_profile(model, model_cfg, backend, *, dtype: torch.dtype, device: torch.
                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                 num_profile_layers: int = PROFILE_LAYERS) -> MemoryProfile:
     """One forward pass of the worst step the scheduler may build (its first `num_profile_layers`
-    decoder layers, the final norm and the LM head), plus the sampler, measured."""
+    decoder layers, the final norm and the LM head), plus the sampler, measured. A step this machine
+    cannot hold is refused in one line: before allocating when even its floor does not fit, else when
+    an allocation fails."""
+    lens = profile_batch(max_num_batched_tokens, max_num_seqs, max_model_len)
+    num_layers = min(num_profile_layers, model_cfg.num_hidden_layers)
+    need = profile_floor_bytes(model_cfg, lens, block_size, dtype, num_layers)
+    if device.type == "cuda":
+        check_profile_fits(need, torch.cuda.mem_get_info(device)[0], lens, str(device))
+    else:
+        check_profile_fits(need, mem_available_bytes(), lens, "RAM")
+    try:
+        return _run_profile(model, model_cfg, backend, lens, num_layers, dtype=dtype, device=device,
+                            block_size=block_size, max_model_len=max_model_len)
+    except (RuntimeError, MemoryError) as e:  # the floor fitted, the rest did not: one line too
+        if not _allocation_failed(e):
+            raise
+        gc.collect()
+        why = " ".join(str(e).split())[:160]
+        raise ProfileTooLarge(f"scheduler.max_num_batched_tokens: the profile pass of a step of {sum(lens):,} "
+                              f"tokens over {len(lens):,} sequences ran out of memory ({why}); {_FIX}") from None
+
+
+def _run_profile(model, model_cfg, backend, lens: list[int], num_layers: int, *, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_model_len: int) -> MemoryProfile:
     from pagedrun.sample.sampler import Sampler, SamplingRow
     from pagedrun.sampling_params import SamplingParams
     from pagedrun.worker.cache_engine import CacheEngine
     from pagedrun.worker.model_runner import ModelInput, ModelRunner
 
-    lens = profile_batch(max_num_batched_tokens, max_num_seqs, max_model_len)
-    num_layers = min(num_profile_layers, model_cfg.num_hidden_layers)
     # The pass writes its K/V somewhere: a cache of exactly the blocks it needs, set up (and on the
     # CPU, its pages committed) before the baseline, so it is not counted as activations.
     need = [-(-(n + 1) // block_size) for n in lens]  # the prompt and the one token decoded after it

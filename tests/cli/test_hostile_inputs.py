@@ -350,4 +350,31 @@ def test_closed_terminal_pipe_does_not_end_the_job(model, tmp_path):
     assert done.stdout.count("\n") == 1  # head took one line; every later write met a closed pipe
     records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(int(r["id"]) for r in records) == list(range(n))
-    assert (tmp_path / "out.report.json").is_file()
+    assert (tmp_path / "out.jsonl.report.json").is_file()
+
+
+def nested_schema(depth: int, key: str) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]} if key == "properties" else \
+            {"type": "array", "items": s} if key == "items" else {"anyOf": [s, {"type": "null"}]}
+    return s
+
+
+@pytest.mark.parametrize("depth", [300, 450])  # 450: 900 JSON levels, what json.dumps can still write
+@pytest.mark.parametrize("key", ["properties", "items", "anyOf"])
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_json_schema_nested_hundreds_of_levels_is_one_line(tmp_path, depth, key, as_text):
+    """Issue 40 item 8: a schema nested 300 levels gave a RecursionError even with --skip-invalid."""
+    schema = nested_schema(depth, key)
+    line = {"prompt_token_ids": [5], "structured_outputs": {"json": json.dumps(schema) if as_text else schema}}
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt_token_ids": [5]}) + "\n" + json.dumps(line) + "\n")
+    requests, invalid = read(p, skip_invalid=True)
+    assert len(requests) + len(invalid) == 2 and len(requests) >= 1
+    for bad in invalid:
+        assert bad.error.startswith("p.jsonl:2:") and "\n" not in bad.error and len(bad.error) < MAX_ERROR_CHARS
+    if invalid:
+        with pytest.raises(PagedrunError) as e:
+            read(p)
+        assert one_line(e).startswith("p.jsonl:2:")

@@ -127,7 +127,7 @@ def test_ray_run_equals_local_run(job, ray_run):
     recs = records(out)
     assert [r["id"] for r in recs] == job["ids"]  # input order, ids preserved
     assert {r["id"]: r["token_ids"] for r in recs} == job["reference"]
-    report = json.loads(out.with_name("out.report.json").read_text())
+    report = json.loads(out.with_name("out.jsonl.report.json").read_text())
     assert report["mode"] == "ray" and report["num_replicas"] == len(report["replicas"]) >= 1
     check_totals(report)
     assert report["total"]["num_requests"] == N
@@ -183,7 +183,7 @@ def test_replica_killed_mid_run_and_resume(job, ray_run, tmp_path, monkeypatch):
     recs = records(out)
     assert [r["id"] for r in recs] == job["ids"]  # exactly once each, in input order
     assert {r["id"]: r["token_ids"] for r in recs} == job["reference"]
-    report = json.loads((tmp_path / "out.report.json").read_text())
+    report = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     check_totals(report)
     assert report["total"]["num_requests"] == N - 5  # only the missing ones went to the cluster
 

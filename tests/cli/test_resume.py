@@ -136,7 +136,7 @@ def test_sigkill_at_random_points_then_resume(job):
 
 def test_sigint_stops_cleanly_and_resumes_and_second_sigint_exits_at_once(job):
     out = job["root"] / "sigint" / "out.jsonl"
-    report = out.with_name("out.report.json")
+    report = out.with_name("out.jsonl.report.json")
 
     # One SIGINT: the step in progress ends, finished outputs and a partial report are kept.
     proc = start(job, out)

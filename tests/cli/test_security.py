@@ -342,16 +342,16 @@ def test_derived_paths_never_replace_files_pagedrun_did_not_write(tmp_path, vict
     prompts.write_text(text)
     out = tmp_path / "job.jsonl"
     extra: list[str] = []
-    if victim == "prompts-as-report":  # the case: prompts named job.report.json
-        prompts = tmp_path / "job.report.json"
+    if victim == "prompts-as-report":  # the case: prompts named job.jsonl.report.json
+        prompts = tmp_path / "job.jsonl.report.json"
         prompts.write_text(text)
         victim_file = prompts
     elif victim == "recipe-as-report":
-        victim_file = tmp_path / "job.report.json"
+        victim_file = tmp_path / "job.jsonl.report.json"
         victim_file.write_text("sampling:\n  max_tokens: 2\n")
         extra = ["-r", str(victim_file)]
     elif victim == "foreign-report":  # another run's output sitting at our report's path
-        victim_file = tmp_path / "job.report.json"
+        victim_file = tmp_path / "job.jsonl.report.json"
         victim_file.write_text('{"id": "0", "text": "another job"}\n')
     elif victim == "foreign-meta":
         victim_file = meta_path(out)
@@ -363,7 +363,7 @@ def test_derived_paths_never_replace_files_pagedrun_did_not_write(tmp_path, vict
     elif victim == "symlink-report":
         victim_file = tmp_path / "elsewhere.json"
         victim_file.write_text("{}")
-        (tmp_path / "job.report.json").symlink_to(victim_file)
+        (tmp_path / "job.jsonl.report.json").symlink_to(victim_file)
     else:
         prompts = tmp_path / "job.jsonl.meta.json"
         prompts.write_text(text)
@@ -425,6 +425,6 @@ def test_read_only_cache_says_cpu_kernels_off_and_the_run_completes(tiny, tmp_pa
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     line = next(x for x in res.stderr.splitlines() if x.startswith("cpu kernels: "))
     assert line.startswith(f"cpu kernels: off (cannot create the cache directory {tmp_path / 'file' / 'cache'}")
-    report = json.loads((tmp_path / "o.report.json").read_text())
+    report = json.loads((tmp_path / "o.jsonl.report.json").read_text())
     assert report["cpu_kernels"] == line[len("cpu kernels: "):]
     assert len(out.read_text().splitlines()) == 1

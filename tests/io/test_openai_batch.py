@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from openai.types import Completion  # the dev extra's: a real client's types, not our reading of the docs
 from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
 from tiny_models import add_word_tokenizer, make_tiny_model
 from typer.testing import CliRunner
@@ -48,14 +49,19 @@ class OutputLine(_Strict):
 
 
 def check_line(raw: dict) -> OutputLine:
+    """A line as the Batch API writes it: a response (200 and the endpoint's body, or 400/500 and its error
+    object, checked with the SDK's ErrorObject) and a null `error` (kept for batch-level failures)."""
     line = OutputLine.model_validate(raw)
     assert line.id.startswith("batch_req_")
-    assert (line.response is None) != (line.error is None)
-    if line.error is not None:
-        assert "\n" not in line.error.message
-        return line
-    assert line.response.status_code == 200
+    assert line.response is not None and line.error is None
+    assert line.response.request_id == "req_" + line.id.removeprefix("batch_req_")
     body = line.response.body
+    if line.response.status_code != 200:
+        assert line.response.status_code in (400, 500) and set(body) == {"error"}
+        err = ErrorObject.model_validate(body["error"])
+        assert not err.model_extra and "\n" not in err.message
+        assert err.type == ("server_error" if line.response.status_code == 500 else "invalid_request_error")
+        return line
     cls = ChatCompletion if body["object"] == "chat.completion" else Completion
     parsed = cls.model_validate(body)
     assert not parsed.model_extra and all(not c.model_extra for c in parsed.choices)  # nothing unknown
@@ -200,12 +206,14 @@ def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
     parsed = [check_line(r) for r in got]
     assert [r["custom_id"] for r in got] == ["chat-greedy", "completion-n2", "bad-url", "chat-greedy", "tools",
                                              "tokens", "too-long", None]
-    assert [p.error is None for p in parsed] == [True, True, False, False, False, True, False, False]
+    assert [p.response.status_code for p in parsed] == [200, 200, 400, 400, 400, 200, 400, 400]
     assert len({p.id for p in parsed}) == len(lines)
-    assert got[4]["error"]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
-    assert got[6]["error"]["code"] == "context_length_exceeded"
-    assert got[6]["error"]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
-    assert got[7]["error"]["message"].startswith("batch.jsonl:8: invalid JSON")
+    errors = {i: got[i]["response"]["body"]["error"] for i in (2, 3, 4, 6, 7)}
+    assert errors[4]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
+    assert (errors[4]["param"], errors[4]["code"]) == ("tools", None)
+    assert (errors[6]["param"], errors[6]["code"]) == ("prompt", "context_length_exceeded")
+    assert errors[6]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
+    assert errors[7]["message"].startswith("batch.jsonl:8: invalid JSON") and errors[7]["param"] is None
 
     chat_body = ChatCompletion.model_validate(got[0]["response"]["body"])
     assert chat_body.object == "chat.completion" and chat_body.id.startswith("chatcmpl-")
@@ -251,8 +259,9 @@ def test_penalties_and_logit_bias_of_a_batch_line_reach_the_sampler(model, tmp_p
         check_line(r)
     assert got[0]["response"]["body"]["choices"][0]["message"]["content"] == "Paris Paris Paris"
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in got[1:3])
-    assert got[3]["error"]["message"] == ("batch.jsonl:4: body.logit_bias: must map token ids to biases in "
-                                          "[-100, 100]; 5 -> 101, got {\"5\": 101}")
+    assert got[3]["response"]["body"]["error"]["message"] == (
+        "batch.jsonl:4: body.logit_bias: must map token ids to biases in "
+        "[-100, 100]; 5 -> 101, got {\"5\": 101}")
 
 
 def test_without_skip_invalid_a_bad_line_stops_before_the_model_loads(model, tmp_path, monkeypatch):
@@ -303,4 +312,174 @@ def test_the_example_batch_file_runs(tmp_path):
     got = [check_line(r) for r in records(out)]
     inputs = [json.loads(x) for x in example.read_text().splitlines() if x.strip()]
     assert [g.custom_id for g in got] == [x["custom_id"] for x in inputs]
-    assert all(g.error is None and g.response.body["choices"] for g in got)
+    assert all(g.error is None and g.response.status_code == 200 and g.response.body["choices"] for g in got)
+
+
+@pytest.mark.parametrize("how", ["touched", "meta_without_created"])
+@pytest.mark.parametrize("keep", [1, 5])
+def test_created_is_one_value_per_output_file(model, tmp_path, how, keep):
+    """Issue 40, item 9: `created` changed within one output file when the input's mtime moved between a
+    run and its resume. It is fixed by the run that started OUT (kept in OUT.meta.json)."""
+    import os
+
+    prompts = write(tmp_path / "batch.jsonl", [completion(f"r{i}", prompt=[5 + i, 6], max_tokens=2) for i in range(6)]
+                    + [batch_line("bad", "/v1/x")])
+    os.utime(prompts, (1_700_000_000, 1_700_000_000))
+    out = tmp_path / "out.jsonl"
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    kept = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(kept[:keep]))  # as an interrupted run leaves it
+    meta = out.with_name("out.jsonl.meta.json")
+    assert json.loads(meta.read_text())["created"] == 1_700_000_000
+    if how == "meta_without_created":  # written by an earlier pagedrun: the kept records say it
+        m = json.loads(meta.read_text())
+        del m["created"]
+        meta.write_text(json.dumps(m))
+    os.utime(prompts, (1_800_000_000, 1_800_000_000))  # touched (copied, synced) before the resume
+    assert invoke(model, prompts, out, "--skip-invalid").exit_code == 3
+    got = records(out)
+    assert len(got) == 7
+    assert {r["response"]["body"]["created"] for r in got if r["response"]["status_code"] == 200} == {1_700_000_000}
+    assert json.loads(meta.read_text())["created"] == 1_700_000_000
+    # --overwrite starts a new file: the input's mtime now.
+    assert invoke(model, prompts, out, "--skip-invalid", "--overwrite").exit_code == 3
+    created = {r["response"]["body"]["created"] for r in records(out) if r["response"]["status_code"] == 200}
+    assert created == {1_800_000_000}
+
+
+@pytest.mark.parametrize("code, message, status, param", [
+    ("invalid_request", "batch.jsonl:3: body.tools: not supported by pagedrun", 400, "tools"),
+    ("invalid_request", "batch.jsonl:3: body.messages[0].role: must be one of ...", 400, "messages"),
+    ("invalid_request", "batch.jsonl:12: invalid JSON: Expecting value", 400, None),
+    ("invalid_request", "batch.jsonl:4: url: must be ...", 400, None),
+    ("context_length_exceeded", "batch.jsonl:9: body.prompt: prompt has 201 tokens", 400, "prompt"),
+    ("request_failed", "structured_outputs: the grammar engine gave up on this request after 3 output tokens", 500,
+     None),
+])
+def test_failed_lines_take_the_batch_apis_shape(code, message, status, param):
+    from pagedrun.io.openai_batch import error_line, is_failed_line
+    from pagedrun.io.writer import is_error_record
+
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    for custom_id in ("a", None):
+        line = error_line(job.error_line_id(3), custom_id, code, message)
+        checked = check_line(line)
+        assert checked.response.status_code == status and checked.custom_id == custom_id
+        err = line["response"]["body"]["error"]
+        assert err["param"] == param and err["message"] == message
+        assert err["code"] == (None if code == "invalid_request" else code)
+        assert is_failed_line(line) and is_error_record(line)
+    old_shape = {"id": "batch_req_x", "custom_id": "a", "response": None, "error": {"code": "c", "message": "m"}}
+    assert is_error_record(old_shape)  # an output started by an earlier pagedrun resumes with its errors counted
+
+
+def one_chat_line(tmp_path, line: dict, **kw):
+    return read(write(tmp_path / "batch.jsonl", [line]), skip_invalid=True, **kw)
+
+
+NO_OPS = [dict(tool_choice="none"), dict(tool_choice="auto"), dict(tool_choice=None), dict(parallel_tool_calls=False),
+          dict(parallel_tool_calls=True), dict(tools=[]), dict(functions=[]), dict(function_call="none"),
+          dict(modalities=["text"]), dict(stream=False), dict(audio=None),
+          dict(tool_choice="none", parallel_tool_calls=False, tools=[])]
+MEANINGFUL = [dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "f"}}),
+              dict(parallel_tool_calls=0), dict(parallel_tool_calls="false"), dict(tools=[{"type": "function"}]),
+              dict(modalities=["text", "audio"]), dict(stream=True), dict(stream=0), dict(function_call="f")]
+
+
+@pytest.mark.parametrize("body", NO_OPS, ids=lambda b: json.dumps(b))
+def test_no_op_values_of_unsupported_fields_are_accepted(tmp_path, body):
+    requests, invalid = one_chat_line(tmp_path, chat("a", **body), tokenizer=_template_tokenizer())
+    assert not invalid and len(requests) == 1
+
+
+@pytest.mark.parametrize("body", MEANINGFUL, ids=lambda b: json.dumps(b))
+def test_meaningful_values_of_unsupported_fields_are_refused(tmp_path, body):
+    requests, invalid = one_chat_line(tmp_path, chat("a", **body), tokenizer=_template_tokenizer())
+    (bad,) = invalid
+    assert bad.error == f"batch.jsonl:1: body.{next(iter(body))}: not supported by pagedrun"
+
+
+@pytest.mark.parametrize("extra, ok", [({"refusal": None}, True), ({"refusal": None, "annotations": []}, True),
+                                       ({"tool_calls": []}, True), ({"tool_calls": None, "audio": None}, True),
+                                       ({"refusal": "I can't"}, False), ({"tool_calls": [{"id": "x"}]}, False),
+                                       ({"refusal": False}, False), ({"annotations": [{"type": "url"}]}, False)])
+def test_null_message_fields_are_accepted(tmp_path, extra, ok):
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the", **extra},
+                {"role": "user", "content": "be brief"}]
+    requests, invalid = one_chat_line(tmp_path, batch_line("a", messages=messages), tokenizer=_template_tokenizer())
+    assert (len(requests), len(invalid)) == ((1, 0) if ok else (0, 1))
+    if not ok:
+        assert invalid[0].error == f"batch.jsonl:1: body.messages[1].{next(iter(extra))}: not supported by pagedrun"
+
+
+_TOKENIZER = []
+
+
+def _template_tokenizer():
+    """The word tokenizer with a chat template (tests/tiny_models.py), built once."""
+    if not _TOKENIZER:
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        d = Path(tempfile.mkdtemp())
+        add_word_tokenizer(d, WORDS)
+        _TOKENIZER.append(AutoTokenizer.from_pretrained(str(d)))
+    return _TOKENIZER[0]
+
+
+# ---------------------------------------------------------------- logprobs: bytes and the stop token
+
+TEXTS = ["😀", "héllo 😀 wörld", "日本語のテキスト", "a😀b🎉c", "naïve café ✓"]
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on ASCII only: every non-ASCII character is split into byte tokens."""
+    from tiny_tokenizer import write_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(write_tiny_tokenizer(tmp_path_factory.mktemp("bl"))))
+
+
+def finished(token_ids, finish_reason="length", stop_reason=None, top=2):
+    from pagedrun.outputs import CompletionOutput, RequestOutput
+
+    entries = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [3, -2.0]][:top]} for t in token_ids]
+    return RequestOutput("r", 0, [5, 6], [CompletionOutput(0, "", list(token_ids), finish_reason, stop_reason,
+                                                           entries)])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("ending", ["length", "eos", "stop_token", "stop_string"])
+def test_chat_logprob_bytes_rebuild_the_text_and_skip_the_stop_token(byte_level, text, ending):
+    from pagedrun.io.openai_batch import BatchLine, output_line
+
+    ids = byte_level.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in byte_level.decode([t]) for t in ids) or text.isascii()  # split characters
+    eos = byte_level.convert_tokens_to_ids("</s>")
+    tail, reason, stop = {"length": ([], "length", None), "eos": ([eos], "stop", None),
+                          "stop_token": ([7], "stop", 7), "stop_string": ([], "stop", "x")}[ending]
+    o = finished(ids + tail, reason, stop)
+    o.outputs[0].text = text
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    line = output_line(o, BatchLine(custom_id="a", url="/v1/chat/completions", logprobs=True, top_logprobs=2),
+                       job, byte_level)
+    check_line(line)
+    content = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)  # no entry for the end-of-turn / stop token
+    assert bytes(b for e in content for b in e["bytes"]) == text.encode()
+    for e in content:  # top_logprobs' bytes are their tokens' own too (the first is the sampled token)
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+
+
+def test_completion_logprobs_skip_the_stop_token(byte_level):
+    from pagedrun.io.openai_batch import BatchLine, output_line
+
+    ids = byte_level.encode("hello world", add_special_tokens=False)
+    eos = byte_level.convert_tokens_to_ids("</s>")
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    line = output_line(finished(ids + [eos], "stop", None), BatchLine(custom_id="a", url="/v1/completions",
+                                                                        logprobs=True, top_logprobs=2), job, byte_level)
+    lp = line["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and "</s>" not in lp["tokens"]

@@ -58,7 +58,7 @@ def victim_for(tmp_path, prompts, out, case):
     if case == "the-output":
         return out, None, []
     if case == "the-report":
-        return tmp_path / "out.report.json", None, []
+        return tmp_path / "out.jsonl.report.json", None, []
     if case == "the-meta":
         return tmp_path / "out.jsonl.meta.json", None, []
     if case == "a-text-file":
@@ -91,7 +91,7 @@ def test_a_bad_plot_path_is_one_line_before_any_work(model_dir, tmp_path, job, c
     assert res.exit_code == 2, res.output
     line = res.output.strip()
     assert line.startswith(f"error: {plot}") and "\n" not in line and "Traceback" not in res.output, res.output
-    assert not out.exists() and not (tmp_path / "out.report.json").exists()
+    assert not out.exists() and not (tmp_path / "out.jsonl.report.json").exists()
     if victim is not None:
         assert (victim.read_bytes() if victim.exists() else None) == before
 

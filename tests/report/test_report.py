@@ -151,7 +151,7 @@ def test_generate_cli_writes_report_and_plot(model_dir, tmp_path):
                                    "--set", "cache.block_size=8", "--set", "cache.num_blocks=32",
                                    "--set", "model.max_model_len=64"])
     assert res.exit_code == 0, res.output
-    rep = json.loads((tmp_path / "out.report.json").read_text())
+    rep = json.loads((tmp_path / "out.jsonl.report.json").read_text())
     assert rep["throughput"]["output_tokens"] == 6 and rep["prefix_cache"]["query_tokens"] == 17
     assert rep["blocks_in_use"]["peak"] == 1 + 2
     assert (tmp_path / "p.png").stat().st_size > 1000

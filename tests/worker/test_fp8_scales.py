@@ -3,6 +3,7 @@ are calibrated on a fixed prompt when the worker starts, so greedy tokens are th
 batch, in any order, with any block count or batch budget, and across a resume."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -82,3 +83,25 @@ def test_calibration_ids_are_fixed_and_inside_the_vocabulary():
     assert len(calibration_ids(None, 50)) == CALIBRATION_TOKENS
     fixed = calibration_ids(None, 50)
     assert all(0 <= i < 50 for i in fixed) and fixed == calibration_ids(None, 50)
+
+
+@pytest.mark.parametrize("key", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("value", ["1e39", "1e38", "1e21", "1e-21", "1e-45", "0", "-1", "inf", "nan", "1" + "0" * 400])
+def test_recipe_scales_outside_the_float32_safe_range_are_one_line(key, value):
+    from pagedrun.errors import PagedrunError
+
+    with pytest.raises(PagedrunError) as e:
+        load_recipe(None, ["cache.kv_cache_dtype=fp8", f"cache.{key}={value}"])
+    assert f"cache.{key}" in str(e.value) and "must be a number in [1e-20, 1e+20]" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", ["1e-20", "1e20"])
+def test_scales_at_the_bounds_run_to_finite_logprobs(model, dtype, scale):
+    """Every value saturates (1e-20) or quantizes to 0 (1e20): useless numbers, but finite ones."""
+    llm = LLM(load_recipe(None, [f"model.path={model}", f"cache.kv_cache_dtype={dtype}", "cache.num_blocks=64",
+                                 f"cache.k_scale={scale}", f"cache.v_scale={scale}"]))
+    (out,) = llm.generate(prompts(1), SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1), use_tqdm=False)
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
+    assert math.isfinite(out.outputs[0].cumulative_logprob)
