@@ -325,7 +325,8 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
          f"{_pct(cm['utilisation'])}) at max_model_len={report['contiguous']['max_model_len_tokens']}; "
          # In bytes as well: with KV cache groups a paged block holds fewer layers than a token of
          # the contiguous cache, so tokens alone would not compare.
-         f"paged peak {b['peak'] * cap['block_size']:,} block slots "
+         f"paged peak {b['peak'] * cap['block_size']:,} "
+         f"{'block slots' if report.get('hybrid_kv') else 'tokens'} "
          f"({_mib(b['peak'] * cap['bytes'] / cap['blocks'] if cap['blocks'] else 0)})"),
         *([("hybrid KV", f"{len(report['hybrid_kv']['groups'])} groups; the window freed "
                          f"{report['hybrid_kv']['tokens_freed_by_window']:,} tokens' blocks; peak "
