@@ -370,19 +370,30 @@ def pack_gate_up(weight: torch.Tensor, bias: torch.Tensor | None
     return packed, None if bias is None else _interleave(bias, kern.panel).contiguous()
 
 
+def _fused_gate_up(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, intermediate: int,
+                   op: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """act(gate) * up by the kernel `op` (the packed GEMM with the activation fused), or None where
+    it does not run; and x as the kernel takes it."""
+    kern, x = _packed_operands(x, packed, bias)
+    if kern is None:
+        return None, x
+    m = x.shape[0]
+    out = torch.empty(m, intermediate, dtype=x.dtype)
+    if m == 0 or kern.op(op, x.dtype)(
+            x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
+            intermediate, x.shape[1], x.stride(0), intermediate, torch.get_num_threads()) == 0:
+        return out, x
+    return None, x
+
+
 def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                  intermediate: int) -> torch.Tensor:
     """silu(gate) * up [M, I] with [gate | up] = x @ weight^T (+ bias), the weight and bias packed
     by pack_gate_up: one kernel call, the activation fused into the GEMM where it runs on AMX tiles
     (kernels/cpu/model_ops_cpu.cpp, linear_packed_silu). Torch on the unpacked weight otherwise."""
-    kern, x = _packed_operands(x, packed, bias)
-    if kern is not None:
-        m = x.shape[0]
-        out = torch.empty(m, intermediate, dtype=x.dtype)
-        if m == 0 or kern.op("linear_packed_silu", x.dtype)(
-                x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
-                intermediate, x.shape[1], x.stride(0), intermediate, torch.get_num_threads()) == 0:
-            return out
+    out, x = _fused_gate_up(x, packed, bias, intermediate, "linear_packed_silu")
+    if out is not None:
+        return out
     panel = packed.shape[2]
     weight = _deinterleave(unpack_weight(packed, 2 * intermediate), panel)
     return silu_and_mul(F.linear(x, weight, None if bias is None else _deinterleave(bias, panel)))
@@ -393,12 +404,7 @@ def gate_up_gelu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     """gelu_tanh(gate) * up [M, I] (Gemma's GeGLU) with [gate | up] = x @ weight^T (+ bias), the
     weight and bias packed by pack_gate_up: one kernel call (linear_packed_gelu: the packed GEMM,
     then gelu_tanh_and_mul on its interleaved panels). Torch on the unpacked weight otherwise."""
-    kern, x = _packed_operands(x, packed, bias)
-    if kern is not None:
-        m = x.shape[0]
-        out = torch.empty(m, intermediate, dtype=x.dtype)
-        if m == 0 or kern.op("linear_packed_gelu", x.dtype)(
-                x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m,
-                intermediate, x.shape[1], x.stride(0), intermediate, torch.get_num_threads()) == 0:
-            return out
+    out, x = _fused_gate_up(x, packed, bias, intermediate, "linear_packed_gelu")
+    if out is not None:
+        return out
     return gelu_tanh_and_mul(linear_packed(x, packed, bias, 2 * intermediate), block=packed.shape[2])
