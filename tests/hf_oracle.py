@@ -25,6 +25,17 @@ def hf_greedy(model_dir, prompts, max_new):
     return tokens, logits
 
 
+_CACHE: dict = {}
+
+
+def hf_greedy_cached(model_dir, prompts, max_new):
+    """hf_greedy, computed once per (model, prompts, max_new) in the test session."""
+    key = (str(model_dir), tuple(map(tuple, prompts)), max_new)
+    if key not in _CACHE:
+        _CACHE[key] = hf_greedy(model_dir, prompts, max_new)
+    return _CACHE[key]
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

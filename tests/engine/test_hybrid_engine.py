@@ -6,26 +6,18 @@ blocks its window still reads, and nothing leaks.
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
-from hf_oracle import hf_greedy, random_prompts
+from hf_oracle import hf_greedy_cached, random_prompts
 from test_engine import occupancy_by_walking_every_block
 
 from pagedrun.config.recipe import load_recipe
 from pagedrun.llm import LLM
-from pagedrun.models.llama import LlamaAttention
 from pagedrun.sampling_params import SamplingParams
 
 WINDOW = 8
 LENGTHS = [29, 5, 1, 43, 17]
 MAX_NEW = 10
-# Mistral's window is applied by llama.py's attention (issue 37's win-cpu branch): until it lands
-# there, its hybrid parity is expected to fail; Gemma's model file applies its own.
-_LLAMA_WINDOWS = "window" in inspect.getsource(LlamaAttention.forward)
 FAMILIES = ["gemma3", "gemma2", "mistral_swa"]
-PARITY = ["gemma3", "gemma2",
-          pytest.param("mistral_swa", marks=pytest.mark.xfail(not _LLAMA_WINDOWS, reason="llama.py applies no window"))]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +25,8 @@ def dirs(tiny_model):
     return {f: tiny_model(f, seed=20 + i) for i, f in enumerate(FAMILIES)}
 
 
-_HF: dict = {}
-
-
 def reference(model_dir, prompts):
-    key = (str(model_dir), tuple(map(tuple, prompts)))
-    if key not in _HF:
-        _HF[key] = hf_greedy(model_dir, prompts, MAX_NEW)[0]
-    return _HF[key]
+    return hf_greedy_cached(model_dir, prompts, MAX_NEW)[0]
 
 
 def check_windows(engine) -> None:
@@ -80,7 +66,7 @@ def run(model_dir, prompts, *sets, sampling=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", PARITY)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_hybrid_on_and_off_equal_hf_past_the_window(dirs, family, block_size):
     d = dirs[family]

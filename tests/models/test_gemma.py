@@ -17,7 +17,8 @@ import pytest
 import test_models
 import torch
 import torch.nn.functional as F
-from test_models import hf_greedy, paged_greedy, random_prompts
+from hf_oracle import hf_greedy_cached, random_prompts
+from test_models import paged_greedy
 from tiny_models import WINDOW_FAMILIES
 
 from pagedrun.attention.metadata import AttentionMetadata
@@ -41,14 +42,8 @@ def window_dirs(tiny_model):
     return {f: tiny_model(f, seed=10 + i) for i, f in enumerate(WINDOW_FAMILIES)}
 
 
-_HF: dict = {}
-
-
 def _hf(model_dir, prompts):
-    key = (str(model_dir), tuple(map(tuple, prompts)))
-    if key not in _HF:
-        _HF[key] = hf_greedy(model_dir, prompts, MAX_NEW)
-    return _HF[key]
+    return hf_greedy_cached(model_dir, prompts, MAX_NEW)
 
 
 @pytest.mark.slow
