@@ -21,7 +21,7 @@ from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
 from pagedrun.outputs import CompletionOutput, RequestOutput
-from pagedrun.report.metrics import StepRecord
+from pagedrun.report.metrics import StepLog, StepRecord
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.grammar import StructuredOutputManager
 
@@ -54,7 +54,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.generators: dict[int, object] = {}  # seq_id -> the worker's seeded stream
         self.structured: StructuredOutputManager | None = None  # built by the first constrained request
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()  # a StepRecord per step, stored by column
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
         self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step

@@ -6,7 +6,10 @@ report/report.py only derives numbers from these records.
 from __future__ import annotations
 
 from array import array
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+
+from pagedrun.report.latency import LatencySamples
 
 
 @dataclass
@@ -50,6 +53,72 @@ class StepRecord:
         return asdict(self)
 
 
+class StepLog:
+    """The run's StepRecords, stored a column per field: 8 bytes a field a step (about 230 bytes a
+    step, where a list of StepRecord objects takes about 690), so that a long job's report data stay
+    small. Reads like a list of StepRecords (len, index, slice, iteration: each record rebuilt on
+    the way out); `column(name)` gives one field over all steps without building any."""
+
+    _FIELDS = tuple(f.name for f in fields(StepRecord) if f.name != "blocks_per_group")
+    _FLOATS = ("t_start", "t_end")
+
+    def __init__(self, records: Iterable[StepRecord] = ()) -> None:
+        self._cols = {name: array("d" if name in self._FLOATS else "q") for name in self._FIELDS}
+        self._groups = array("q")  # blocks_per_group, flattened: the same number of groups every step
+        self._num_groups: int | None = None
+        self.extend(records)
+
+    def append(self, rec: StepRecord) -> None:
+        groups = rec.blocks_per_group
+        if self._num_groups is None:
+            self._num_groups = len(groups)
+        if len(groups) != self._num_groups:
+            raise ValueError(f"a step with {len(groups)} KV cache groups in a log of {self._num_groups}")
+        for name, col in self._cols.items():
+            col.append(getattr(rec, name))
+        self._groups.extend(groups)
+
+    def extend(self, records: Iterable[StepRecord]) -> None:
+        for rec in records:
+            self.append(rec)
+
+    def __iadd__(self, records: Iterable[StepRecord]) -> StepLog:
+        self.extend(records)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._cols["step"])
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def column(self, name: str):
+        """One field over all steps (an array; blocks_per_group: a list of lists)."""
+        if name == "blocks_per_group":
+            return [list(self._groups_of(i)) for i in range(len(self))]
+        return self._cols[name]
+
+    def _groups_of(self, i: int):
+        g = self._num_groups or 0
+        return self._groups[i * g:(i + 1) * g]
+
+    def _record(self, i: int) -> StepRecord:
+        values = {name: col[i] for name, col in self._cols.items()}
+        return StepRecord(**values, blocks_per_group=list(self._groups_of(i)))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._record(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("step index out of range")
+        return self._record(i % n)
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        for i in range(len(self)):
+            yield self._record(i)
+
+
 @dataclass
 class RequestTiming:
     arrival: float
@@ -62,15 +131,15 @@ class RequestTiming:
 @dataclass
 class RunTally:
     """What the summary and the report read of a run's finished requests, added up as they finish, so
-    that a run of any size need not keep its RequestOutputs (latencies as 8-byte doubles)."""
+    that a run of any size need not keep its RequestOutputs (latencies in bounded memory: latency.py)."""
     num_ok: int = 0
     num_errors: int = 0
     prompt_tokens: int = 0  # of the requests that ran
     error_prompt_tokens: int = 0  # of those that failed in the engine
     output_tokens: int = 0
-    ttft_s: array = field(default_factory=lambda: array("d"))
-    itl_s: array = field(default_factory=lambda: array("d"))
-    e2e_s: array = field(default_factory=lambda: array("d"))
+    ttft_s: LatencySamples = field(default_factory=LatencySamples)
+    itl_s: LatencySamples = field(default_factory=LatencySamples)
+    e2e_s: LatencySamples = field(default_factory=LatencySamples)
 
     def add(self, o) -> None:
         """Count one RequestOutput (engine/engine.py)."""

@@ -13,28 +13,23 @@ steps), the way a time series of the cache would be summarised.
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
 from pagedrun.io.file_safety import check_derived, is_report, replace_file, report_path
-from pagedrun.report.metrics import RunTally
+from pagedrun.report.latency import LatencySamples, exact_percentiles
+from pagedrun.report.metrics import RunTally, StepLog
 
 M, D = "measured", "derived"
 
 
-def percentiles(xs: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
-    """Linear-interpolated percentiles (numpy's default method); None for an empty list."""
-    xs = sorted(xs)
-    out: dict[str, float | None] = {}
-    for p in ps:
-        if not xs:
-            out[f"p{p}"] = None
-            continue
-        k = (len(xs) - 1) * p / 100
-        lo = int(k)
-        hi = min(lo + 1, len(xs) - 1)
-        out[f"p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-    return out
+def percentiles(xs, ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """p50/p90/p99 of a list of seconds (linear interpolation, numpy's default) or of LatencySamples
+    (the same while exact, else from its histogram); None where there are none."""
+    if isinstance(xs, LatencySamples):
+        return xs.percentiles(ps)
+    return exact_percentiles(xs, ps)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -43,6 +38,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: bool = False) -> dict:
     steps = engine.steps
+    col = steps.column if isinstance(steps, StepLog) else (lambda name: [getattr(s, name) for s in steps])
     m = engine.memory
     bs = m.block_size
     bb = m.block_bytes
@@ -50,29 +46,30 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
     # A contiguous cache stores every layer of a token; with KV cache groups a block holds fewer.
     full_bytes_per_token = (m.full_block_bytes or bb) // bs
     n = len(steps)
-    blocks = [s.blocks_in_use for s in steps]
+    blocks = col("blocks_in_use")
     peak_blocks = max(blocks, default=0)
     peak_step = blocks.index(peak_blocks) if steps else None
-    slots = [b * bs for b in blocks]
-    stored = [s.tokens_stored for s in steps]
-    assigned = [s.tokens_assigned for s in steps]
-    waste = [sl - a for sl, a in zip(slots, assigned)]
-    pending = [a - st for a, st in zip(assigned, stored)]
+    # Derived per step as 8-byte arrays, not lists of ints: the report of a long run stays small.
+    slots = array("q", (b * bs for b in blocks))
+    stored = col("tokens_stored")
+    assigned = col("tokens_assigned")
+    waste = array("q", (sl - a for sl, a in zip(slots, assigned)))
+    pending = array("q", (a - st for a, st in zip(assigned, stored)))
     sum_slots = sum(slots)
 
-    reserved = [s.reserved_contiguous_tokens for s in steps]
-    reserved_mml = [s.num_running * engine.max_model_len for s in steps]
-    logical = [s.tokens_logical for s in steps]
+    reserved = col("reserved_contiguous_tokens")
+    reserved_mml = array("q", (r * engine.max_model_len for r in col("num_running")))
+    logical = col("tokens_logical")
 
-    q = sum(s.prefix_query_tokens for s in steps)
-    hit = sum(s.prefix_hit_tokens for s in steps)
-    sin = sum(s.swap_in_blocks for s in steps)
-    sout = sum(s.swap_out_blocks for s in steps)
+    q = sum(col("prefix_query_tokens"))
+    hit = sum(col("prefix_hit_tokens"))
+    sin = sum(col("swap_in_blocks"))
+    sout = sum(col("swap_out_blocks"))
 
     tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
     out_tokens = tally.output_tokens
     prompt_tokens = tally.prompt_tokens
-    prefill_computed = sum(s.num_prefill_tokens for s in steps)
+    prefill_computed = sum(col("num_prefill_tokens"))
     ttft, itl, e2e = tally.ttft_s, tally.itl_s, tally.e2e_s
 
     def at_peak(xs: list) -> int | None:
@@ -91,7 +88,7 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
         "kv_pages_committed": _pages_committed(engine, bb),
         "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
                           "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
-                          "cached_free_peak": max((s.blocks_cached_free for s in steps), default=0)},
+                          "cached_free_peak": max(col("blocks_cached_free"), default=0)},
         "utilisation": {
             "tokens_stored_over_slots_allocated": _ratio(sum(stored), sum_slots),
             "at_peak": _ratio(at_peak(stored), at_peak(slots)) if peak_step is not None else None,
@@ -109,10 +106,10 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
             "max_model_len_tokens": engine.max_model_len,
         },
         "prefix_cache": {"query_tokens": q, "hit_tokens": hit, "hit_rate": _ratio(hit, q),
-                         "cow_copies": sum(s.cow_copies for s in steps)},
-        "preemptions": {"recompute": sum(s.preempted_recompute for s in steps),
-                        "swap": sum(s.preempted_swap for s in steps),
-                        "swap_fallbacks": sum(s.swap_fallbacks for s in steps)},
+                         "cow_copies": sum(col("cow_copies"))},
+        "preemptions": {"recompute": sum(col("preempted_recompute")),
+                        "swap": sum(col("preempted_swap")),
+                        "swap_fallbacks": sum(col("swap_fallbacks"))},
         "swap": {"in_blocks": sin, "out_blocks": sout, "in_bytes": sin * bb, "out_bytes": sout * bb},
         "throughput": {
             "wall_s": wall_s, "load_s": load_s, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
@@ -120,17 +117,17 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
             "output_tokens_per_s": _ratio(out_tokens, wall_s), "prompt_tokens_per_s": _ratio(prompt_tokens, wall_s),
             "total_tokens_per_s": _ratio(out_tokens + prompt_tokens, wall_s),
         },
-        "latency": {"ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e)},
+        "latency": {"ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+                    "exact": all(getattr(xs, "is_exact", True) for xs in (ttft, itl, e2e))},
     }
     if m.kv_groups:
-        kept = [s.blocks_in_use + s.blocks_left_window for s in steps]
+        kept = [a + b for a, b in zip(col("blocks_in_use"), col("blocks_left_window"))]
         report["hybrid_kv"] = {
             "groups": list(m.kv_groups),
             "blocks_freed_by_window": engine.kv.stats.window_freed_blocks,
             "tokens_freed_by_window": engine.kv.stats.window_freed_blocks * bs,
             "peak_blocks_in_use": peak_blocks,
-            "peak_blocks_per_group": [max(col) for col in zip(*(s.blocks_per_group for s in steps))]
-            if steps and steps[0].blocks_per_group else [],
+            "peak_blocks_per_group": [max(held) for held in zip(*col("blocks_per_group"))],
             "peak_blocks_every_block_kept": max(kept, default=0),
             "max_concurrency": m.max_concurrency,
             "max_concurrency_every_block_kept": m.max_concurrency_without_hybrid,
@@ -239,6 +236,8 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "throughput.output_tokens_per_s": (D, "output_tokens / wall_s"),
     "throughput.prompt_tokens_per_s": (D, "prompt_tokens / wall_s"),
     "throughput.total_tokens_per_s": (D, "(prompt_tokens + output_tokens) / wall_s"),
+    "latency.exact": (D, "true: every percentile below interpolates the samples themselves; false: one set had "
+                         "more than 65,536 samples and its percentiles come from 1%-wide log buckets (within 0.5%)"),
     "latency": (D, "percentiles (linear interpolation) of per-request times measured by the engine: "
                    "ttft = first token - arrival, itl = gaps between a request's decode steps, e2e = finish - arrival"),
 }

@@ -17,6 +17,7 @@ from pagedrun.cli.ray.merge import ReplicaRecord, merged_report
 from pagedrun.cli.ray.replica import EngineReplica, error_output
 from pagedrun.cli.ray.replica_table import print_replicas
 from pagedrun.errors import PagedrunError
+from pagedrun.report.metrics import RunTally
 
 # Retries of a batch whose replica died: enough for a node or two going away, few enough that a
 # request that kills its process every time costs minutes, not forever.
@@ -45,7 +46,10 @@ class RayRun:
         self.t_created = time.perf_counter()
         self.started = False
         self.records: dict[str, ReplicaRecord] = {}
-        self.results: list = []
+        # Counted, not kept, as a local run's (memory does not grow with the outputs): the job's tally,
+        # each replica's in its record, and the ids that came back.
+        self.results = RunTally()
+        self.returned: set[str] = set()
 
     def start(self, console: Console, quiet: bool, *, num_requests: int, plot: Path | None) -> None:
         self.started = connect(self.address, quiet)
@@ -66,7 +70,6 @@ class RayRun:
         pending = list(requests)
         if not pending:
             return
-        index_of = {r.id: i for i, r in enumerate(pending)}
 
         def consume(batch: dict) -> None:
             for rid, stats in zip(batch["replica"], batch["stats"]):
@@ -79,31 +82,31 @@ class RayRun:
                     self.records[rid].add(s)
             for rid, blob in zip(batch["replica"], batch["output"]):
                 o = pickle.loads(blob)
-                o.index = index_of[o.request_id]
                 if on_output(o):
-                    self.results.append(o)
-                    self.records[rid].results.append(o)
+                    self._count(o, self.records[rid])
                     on_tokens(sum(len(c.token_ids) for c in o.outputs))
 
         _pass(self.ray, pending, self.actor_recipe, self.n, self.resources,
               pick_batch_size(len(pending), self.n, self.recipe.scheduler.max_num_seqs), consume, stop)
-        returned = {o.request_id for o in self.results}
-        lost = [r for r in pending if r.id not in returned]
+        lost = [r for r in pending if r.id not in self.returned]
         if lost and not stop():
             # Batches that killed their replica on every retry: again one request per task, so that
             # only a request that kills a replica on its own is given up on.
             _pass(self.ray, lost, self.actor_recipe, self.n, self.resources, 1, consume, stop)
-            returned = {o.request_id for o in self.results}
             for r in lost:
-                if r.id not in returned and not stop():
+                if r.id not in self.returned and not stop():
                     o = error_output(r, "no replica returned it: its batch failed on every attempt, twice "
                                         "(a replica process that keeps dying, e.g. out of memory; see the Ray logs)")
-                    o.index = index_of[r.id]
                     if on_output(o):
-                        self.results.append(o)
+                        self._count(o, None)
+
+    def _count(self, o, record: ReplicaRecord | None) -> None:
+        self.returned.add(o.request_id)
+        self.results.add(o)
+        if record is not None:
+            record.results.add(o)
 
     def report(self, wall_s: float, interrupted: bool) -> dict:
-        self.results.sort(key=lambda o: o.index)
         return merged_report(list(self.records.values()), self.results, wall_s=wall_s, driver_s=self.driver_s,
                              interrupted=interrupted)
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from pagedrun.report.metrics import RunTally, StepLog
+
 
 @dataclass
 class ReplicaRecord:
@@ -18,8 +20,8 @@ class ReplicaRecord:
     load_s: float = 0.0
     busy_s: float = 0.0
     batches: int = 0
-    steps: list = field(default_factory=list)
-    results: list = field(default_factory=list)
+    steps: StepLog = field(default_factory=StepLog)
+    results: RunTally = field(default_factory=RunTally)  # of the outputs it returned
     pages_committed: tuple = (0, 0.0)  # the replica's KV blocks committed ahead of use, and seconds
 
     def add(self, stats: dict) -> None:
@@ -56,7 +58,7 @@ def _get(d: dict, path: tuple[str, ...]):
     return d
 
 
-def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float, driver_s: float,
+def merged_report(records: list[ReplicaRecord], results: RunTally, *, wall_s: float, driver_s: float,
                   interrupted: bool) -> dict:
     """Each replica's report (report.build_report on what it measured) and their total.
 
@@ -70,7 +72,7 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
         view = _EngineView(rec.steps, rec.memory, rec.max_model_len,
                            SimpleNamespace(populator=SimpleNamespace(blocks_committed=rec.pages_committed[0],
                                                                      seconds=rec.pages_committed[1])))
-        rep = build_report(view, sorted(rec.results, key=lambda o: o.index), wall_s=rec.busy_s, load_s=rec.load_s,
+        rep = build_report(view, rec.results, wall_s=rec.busy_s, load_s=rec.load_s,
                            interrupted=interrupted)
         replicas.append({"replica": rec.replica, "node": rec.node, "pid": rec.pid, "device": rec.device,
                          "batches": rec.batches, "report": rep})
@@ -83,7 +85,7 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
         d[path[-1]] = value
     # Records the driver wrote itself (a request given up on after its replica kept dying) are in no
     # replica's report; they count in the total.
-    extra = len(results) - total["num_requests"]
+    extra = results.num_ok + results.num_errors - total["num_requests"]
     total["num_requests"] += extra
     total["num_errors"] += extra
     th = total["throughput"]
@@ -93,12 +95,9 @@ def merged_report(records: list[ReplicaRecord], results: list, *, wall_s: float,
               total_tokens_per_s=(th["output_tokens"] + th["prompt_tokens"]) / wall_s if wall_s else None)
     pc = total["prefix_cache"]
     pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else None
-    ok = [r for r in results if r.error is None]
-    total["latency"] = {
-        "ttft_s": percentiles([r.metrics["ttft_s"] for r in ok if r.metrics.get("ttft_s") is not None]),
-        "itl_s": percentiles([x for r in ok for x in r.metrics.get("itl_s", [])]),
-        "e2e_s": percentiles([r.metrics["e2e_s"] for r in ok if r.metrics.get("e2e_s") is not None]),
-    }
+    total["latency"] = {"ttft_s": percentiles(results.ttft_s), "itl_s": percentiles(results.itl_s),
+                        "e2e_s": percentiles(results.e2e_s),
+                        "exact": all(xs.is_exact for xs in (results.ttft_s, results.itl_s, results.e2e_s))}
     return {
         "mode": "ray",
         "interrupted": interrupted,
