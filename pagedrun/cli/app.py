@@ -177,6 +177,9 @@ def generate(
                                               help="Ray cluster to join: auto | ray://HOST:PORT (implies --ray)."),
     replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
                                            help="Engines (Ray actors) to run: default one per GPU (implies --ray)."),
+    log_interval: Optional[float] = typer.Option(
+        None, "--log-interval", min=0,
+        help="Seconds between timestamped progress lines when stderr is not a terminal (default 30; 0: off)."),
     debug: bool = DebugOpt,
 ) -> None:
     """Generate completions for every request in PROMPTS; outputs are written as requests finish."""
@@ -185,7 +188,7 @@ def generate(
     code = run_guarded(debug, run_generate, prompts=prompts, recipe_path=recipe, output=output,
                        overrides=set_ or [], overwrite=overwrite, skip_invalid=skip_invalid, plot=plot,
                        quiet=quiet, console=console, stop=StopFlag(), ray=ray, ray_address=ray_address,
-                       replicas=replicas)
+                       replicas=replicas, log_interval_s=log_interval)
     raise typer.Exit(code or 0)
 
 

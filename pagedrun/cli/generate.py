@@ -17,7 +17,8 @@ from pagedrun.config.recipe import load_recipe
 
 def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overrides: list[str], overwrite: bool,
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
-                 ray_address: str | None = None, replicas: int | None = None) -> int:
+                 ray_address: str | None = None, replicas: int | None = None,
+                 log_interval_s: float | None = None) -> int:
     recipe = load_recipe(recipe_path, overrides)
     if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
@@ -30,7 +31,7 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
             return LocalRun(recipe)
     return run_job(recipe=recipe, prompts=prompts, recipe_path=recipe_path, output=output, overwrite=overwrite,
                    skip_invalid=skip_invalid, plot=plot, quiet=quiet, console=console, stop=stop,
-                   make_executor=make_executor)
+                   make_executor=make_executor, log_interval_s=log_interval_s)
 
 
 class LocalRun:

@@ -37,6 +37,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from pagedrun.cli.progress_log import ProgressLog
 from pagedrun.errors import PagedrunError
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
@@ -137,7 +138,8 @@ def print_summary(console: Console, results, wall: float, output: Path, report, 
 
 
 def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, overwrite: bool, skip_invalid: bool,
-            plot: Path | None, quiet: bool, console: Console, stop, make_executor) -> int:
+            plot: Path | None, quiet: bool, console: Console, stop, make_executor,
+            log_interval_s: float | None = None) -> int:
     from pagedrun.io.input_files import InputSnapshot
     from pagedrun.io.writer import OutputWriter
 
@@ -166,8 +168,10 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
             console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
                           f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                           style="yellow", highlight=False, soft_wrap=True, markup=False)
+        log = ProgressLog.for_console(console, log_interval_s, quiet)
         return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
-                    console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None))
+                    console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None),
+                    log=log)
     finally:
         if executor is not None:
             executor.close()
@@ -178,7 +182,7 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
 
 
 def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
-         stop, inputs: tuple[Path, ...] = ()) -> int:
+         stop, inputs: tuple[Path, ...] = (), log: ProgressLog | None = None) -> int:
     from pagedrun.io.writer import request_key
 
     records = OutputRecords(stream.batch_job if stream.format == "openai" else None, stream.tokenizer)
@@ -196,8 +200,11 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
     stop.install()
     executor.start(console, quiet, num_requests=stream.num_pending, plot=plot)
 
+    log = log or ProgressLog(console, 0, enabled=False)
     t0 = time.perf_counter()
-    counters = {"out_tokens": 0}
+    counters = {"out_tokens": 0, "done": 0}
+    total = stream.pending_completions
+    log.line(f"generating: {total:,} completions to go, into {output}")
     progress = Progress(
         TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TextColumn("completions"),
         TextColumn("{task.fields[tps]:>7.1f} tok/s"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -212,24 +219,34 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
 
     def on_invalid(bad) -> None:  # a line that failed tokenization: its error record now
         writer.write(records.invalid(bad), stream.key_of_invalid(bad), bad.line)
-        progress.advance(task, 1)
+        advance(1)
+
+    def advance(n: int) -> None:
+        progress.advance(task, n)
+        counters["done"] += n
+        log.tick(counters["done"], total, tok_per_s())
+
+    def tok_per_s() -> float:
+        return counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9)
 
     def on_output(o) -> bool:
         if request_key(o.request_id) in writer:
             return False  # a retried Ray batch whose first attempt did return: answered once only
         batch, line = in_flight.pop(o.request_id, (None, 0))
         writer.write(records.finished(o, batch), input_line=line)
-        progress.advance(task, max(1, len(o.outputs)))
+        advance(max(1, len(o.outputs)))
         return True
 
     def on_tokens(n: int) -> None:
         counters["out_tokens"] += n
-        progress.update(task, tps=counters["out_tokens"] / max(time.perf_counter() - t0, 1e-9))
+        progress.update(task, tps=tok_per_s())
 
     try:  # from here requests run: an error is not "nothing ran" (exit code 2), whatever it is
         with progress:
-            task = progress.add_task("generate", total=stream.pending_completions, tps=0.0)
+            task = progress.add_task("generate", total=total, tps=0.0)
             executor.run(pulled(), on_output, on_tokens, stop)
+        log.line(ProgressLog.status(counters["done"], total, tok_per_s(), time.perf_counter() - t0)
+                 + (" (stopped)" if stop.stop else " (done)"))
         return _finish(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
                        console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0)
     except RunFailed:
