@@ -74,8 +74,9 @@ def _batch_job(prompts: Path, recipe):
     from pagedrun.cli.job import model_name
     from pagedrun.io.openai_batch import BatchJob
 
-    with open(prompts, "rb") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    from pagedrun.io.input_files import read_input
+
+    sha = hashlib.sha256(read_input(Path(prompts), "prompts")).hexdigest()  # of the text (a .gz decompressed)
     return BatchJob(input_sha256=sha, model=model_name(recipe), created=0)
 
 

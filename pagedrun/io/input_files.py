@@ -1,11 +1,18 @@
 """Reading a user's input file (recipe, prompts), whole or line by line, with one-line errors that name it;
-InputSnapshot: a prompts file as it was when the run started."""
+InputSnapshot: a prompts file as it was when the run started.
+
+A prompts file may be gzip-compressed (recognised by its first bytes, whatever its name): it is
+decompressed as it is read, and everything after that (the lines, the job's fingerprint, a Batch
+file's ids) is about the decompressed text, so `p.jsonl` and `p.jsonl.gz` holding the same lines are
+the same job.
+"""
 from __future__ import annotations
 
 import hashlib
 import os
 import tempfile
 import weakref
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +34,52 @@ def open_input(path: Path, kind: str) -> BinaryIO:
         raise PagedrunError(f"{name}: cannot read {kind} file: {e.strerror}") from None
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_input(path: Path, kind: str, limit: int | None = None) -> bytes:
     """The bytes of `path`, a `kind` ("recipe", "prompts") file; at most limit + 1 bytes are read
-    when a limit is given, so the caller can refuse a larger file without holding it."""
+    when a limit is given, so the caller can refuse a larger file without holding it. A gzip prompts
+    file is decompressed."""
     with open_input(path, kind) as f:
         try:
-            return f.read() if limit is None else f.read(limit + 1)
+            data = f.read() if limit is None else f.read(limit + 1)
         except OSError as e:  # e.g. EIO, or a directory that open() accepted
             raise PagedrunError(f"{path.name}: cannot read {kind} file: {e.strerror}") from None
+    if kind == "prompts" and data.startswith(GZIP_MAGIC):
+        gunzip = _Gunzip(path.name)
+        data = gunzip.feed(data) + gunzip.finish()
+    return data
+
+
+class _Gunzip:
+    """Streaming gzip decompression (several concatenated members too, as `cat a.gz b.gz` makes), with
+    one-line errors naming the file."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._d = zlib.decompressobj(wbits=31)
+        self._open = False  # bytes of a member fed, its end not seen yet
+
+    def feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self._open = True
+            try:
+                out.append(self._d.decompress(data))
+            except zlib.error as e:
+                raise PagedrunError(f"{self.name}: not a valid gzip file: {e}") from None
+            if not self._d.eof:
+                break
+            data = self._d.unused_data  # a member ended: what follows starts another one
+            self._d = zlib.decompressobj(wbits=31)
+            self._open = False
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        if self._open:
+            raise PagedrunError(f"{self.name}: not a valid gzip file: it ends inside a member (cut short?)")
+        return b""
 
 
 @dataclass
@@ -50,7 +95,8 @@ class InputSnapshot:
     size: int
     mtime_ns: int
     identity: tuple[int, int]  # (st_dev, st_ino) of the file at the start
-    sha256: str
+    sha256: str  # of the bytes that run (a gzip file's decompressed text)
+    file_size: int = -1  # of the file itself at the start (size: of the copy, decompressed)
 
     @classmethod
     def open(cls, path: Path, spool_dir: Path | None = None, kind: str = "prompts") -> InputSnapshot:
@@ -62,21 +108,35 @@ class InputSnapshot:
             copy = _spool(spool_dir, name)
             h = hashlib.sha256()
             left = st.st_size
+            gunzip = None
+            first = True
             try:
                 while left > 0:
                     chunk = src.read(min(1 << 20, left))
                     if not chunk:  # cut short while we read: the snapshot is what was there
                         break
+                    left -= len(chunk)
+                    if first and chunk.startswith(GZIP_MAGIC):
+                        gunzip = _Gunzip(name)
+                    first = False
+                    if gunzip is not None:
+                        chunk = gunzip.feed(chunk)
                     h.update(chunk)
                     copy.write(chunk)
-                    left -= len(chunk)
+                if gunzip is not None:
+                    gunzip.finish()
                 copy.flush()
+                written = copy.tell()
             except OSError as e:
                 copy.close()
                 raise PagedrunError(f"{name}: cannot take a copy of the {kind} file: {e.strerror or e}") from None
+            except PagedrunError:
+                copy.close()
+                raise
         fd = os.dup(copy.fileno())
         copy.close()
-        snap = cls(Path(path), fd, st.st_size - left, st.st_mtime_ns, (st.st_dev, st.st_ino), h.hexdigest())
+        snap = cls(Path(path), fd, written, st.st_mtime_ns, (st.st_dev, st.st_ino), h.hexdigest(),
+                   st.st_size - left)
         snap._weak_close = weakref.finalize(snap, os.close, fd)
         return snap
 
@@ -123,13 +183,13 @@ class InputSnapshot:
         else:
             if (st.st_dev, st.st_ino) != self.identity:
                 now = "replaced by another file"
-            elif st.st_size != self.size:
+            elif st.st_size != self.file_size:
                 now = f"now {st.st_size} bytes"
             elif st.st_mtime_ns != self.mtime_ns:
                 now = "modified"
             else:
                 return None
-        return (f"{name}: changed during the run ({now}); the run used the {self.size} bytes it held at "
+        return (f"{name}: changed during the run ({now}); the run used the {self.file_size} bytes it held at "
                 "the start, and a new run on the changed file is another job")
 
     def close(self) -> None:
