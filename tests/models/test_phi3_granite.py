@@ -114,6 +114,22 @@ def test_models_and_their_fields(dense_dirs):
         assert config.num_parameters() == sum(t.numel() for t in load_file(d / "model.safetensors").values())
 
 
+def test_bf16_stays_close_to_hf(dense_dirs):
+    """bf16 (partial rotary through the bf16 kernel, Granite's multipliers on bf16 tensors): the
+    first greedy token of each prompt agrees with HF's in bf16, the logits within its rounding."""
+    from transformers import AutoModelForCausalLM
+
+    for family in DENSE_FAMILIES:
+        model, config = load_model(dense_dirs[family], torch.bfloat16, max_model_len=32)
+        prompts = random_prompts(config.vocab_size, [9, 3], seed=2)
+        _, got = paged_greedy(model, config, prompts, 1, 16, shuffle=False)
+        hf = AutoModelForCausalLM.from_pretrained(dense_dirs[family], dtype=torch.bfloat16)
+        for p, g in zip(prompts, got, strict=True):
+            want = hf(torch.tensor([p])).logits[0, -1]
+            assert g[0].dtype == torch.bfloat16 and int(g[0].argmax()) == int(want.argmax())
+            torch.testing.assert_close(g[0].float(), want.float(), atol=0.1, rtol=0.05)
+
+
 def test_fused_shapes_are_checked_before_allocation(dense_dirs, tmp_path):
     d = tmp_path / "phi3"
     shutil.copytree(dense_dirs["phi3"], d)
