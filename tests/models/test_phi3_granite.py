@@ -249,3 +249,39 @@ def test_layer_runner_gives_the_loops_logits(tmp_path, family, overrides):
         finally:
             eng.worker.model.layer_runner = runner
         assert torch.equal(fast, slow)
+
+
+def test_real_configs_parse():
+    """The fields of real configs (their sizes, synthetic factor values): Phi-4-mini (partial 0.75,
+    LongRoPE with a top-level original length, a window longer than any run), Phi-3-mini-4k (plain
+    RoPE, window 2047), Granite 3.x 2B (its multipliers)."""
+    import math
+
+    from pagedrun.models.config import ModelConfig
+
+    base = dict(hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, rope_theta=10000.0)
+    phi4_mini = dict(base, architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                     max_position_embeddings=131072, original_max_position_embeddings=4096, num_attention_heads=24,
+                     num_hidden_layers=32, num_key_value_heads=8, partial_rotary_factor=0.75,
+                     sliding_window=262144, tie_word_embeddings=True, vocab_size=200064,
+                     rope_scaling={"type": "longrope", "long_factor": [1.0 + i / 4 for i in range(48)],
+                                   "short_factor": [1.0] * 48})
+    c = ModelConfig.from_hf_dict(phi4_mini, "config.json")  # the default run: max_model_len 8192
+    assert (c.head_dim, c.rotary_dim, c.layer_windows, c.tie_word_embeddings) == (128, 96, (), True)
+    assert c.rope_scaling["long"] and c.rope_scaling["ext_factors"][1] == 1.25
+    assert c.rope_scaling["attention_factor"] == math.sqrt(1 + math.log(32) / math.log(4096))
+    assert not ModelConfig.from_hf_dict(phi4_mini, "config.json", max_model_len=4096).rope_scaling["long"]
+    phi3_4k = dict(base, architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                   max_position_embeddings=4096, original_max_position_embeddings=4096, num_attention_heads=32,
+                   num_hidden_layers=32, num_key_value_heads=32, sliding_window=2047, rope_scaling=None,
+                   vocab_size=32064, tie_word_embeddings=False)
+    c = ModelConfig.from_hf_dict(phi3_4k, "config.json")
+    assert (c.head_dim, c.rotary_dim, c.rope_scaling, c.layer_windows) == (96, 96, None, (2047,) * 32)
+    granite = dict(base, architectures=["GraniteForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                   max_position_embeddings=4096, num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8,
+                   vocab_size=49155, tie_word_embeddings=True, embedding_multiplier=12.0,
+                   attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
+    c = ModelConfig.from_hf_dict(granite, "config.json")
+    assert (c.embedding_multiplier, c.attention_multiplier, c.residual_multiplier, c.logits_scaling) == (
+        12.0, 0.015625, 0.22, 8.0)
+    assert c.layer_windows == () and c.rotary_dim == 64
