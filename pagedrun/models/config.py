@@ -3,9 +3,11 @@
 Everything the model files, the KV cache sizing and the memory report read comes from here, so the
 supported subset is checked once, with errors that name config.json and the offending field.
 transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes one `rope_parameters` dict (Gemma 3:
-one per layer type); both are read. Sliding-window attention (Mistral, Qwen2/3 with
-use_sliding_window, Gemma 2's and Gemma 3's sliding layers) becomes `layer_windows`, one window per
-layer, as transformers assigns them.
+one per layer type); both are read, and each RoPE type's parameters are resolved here as transformers
+resolves them (defaults, original length, attention factor; models/rope.py computes the tables).
+LongRoPE's factors and dynamic NTK's base are chosen once, from the run's max_model_len.
+Sliding-window attention (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 2's and Gemma 3's
+sliding layers) becomes `layer_windows`, one window per layer, as transformers assigns them.
 """
 from __future__ import annotations
 
