@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "llama3", "llama_linear", "qwen2", "qwen3", "mistral", "llama_tied")
+# Phi-3 (fused q/k/v and gate/up on disk, LongRoPE, partial rotary 0.75, a window of 8) and Granite
+# (four multipliers): tests/models/test_phi3_granite.py.
+DENSE_FAMILIES = ("phi3", "granite")
 # Families with sliding-window layers (windows of 8, so that test prompts run several windows long)
 # and their own block (Gemma): tests/models/test_gemma.py.
 WINDOW_FAMILIES = ("gemma3", "gemma3_mm", "gemma2", "mistral_swa", "qwen2_swa")
@@ -87,6 +90,16 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
              final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
              eos_token_id=1, max_position_embeddings=512),
     ),
+    # Phi-3: head_dim 16, rotary_dim 12 (6 LongRoPE factors), original length 32 (the long factors
+    # apply in runs longer than that), one window of 8 on every layer.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(pad_token_id=0, partial_rotary_factor=0.75, sliding_window=8, original_max_position_embeddings=32,
+                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                    long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]))),
+    # Granite: every multiplier away from 1 (attention_multiplier is not head_dim ** -0.5).
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.3,
+                     logits_scaling=2.5, rope_theta=1e4)),
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     # Qwen2: the layers from max_window_layers on slide.
     "qwen2_swa": ("Qwen2Config", "Qwen2ForCausalLM",

@@ -99,17 +99,22 @@ int head_rms_norm(const T* x, const W* weight, T* out, int64_t T_, int64_t heads
 }
 
 // RoPE in place, "rotate half" layout: for each token t and head, with c = cos[pos[t]], s = sin[pos[t]]
-// (float32 tables [max_pos, head_size / 2], rounded to T as transformers casts them): x1, x2 = halves;
-// x1' = x1*c - x2*s, x2' = x2*c + x1*s. x [T, num_heads, head_size], token stride ldx, head stride
-// head_size.
+// (float32 tables [max_pos, rotary_dim / 2], rounded to T as transformers casts them): x1, x2 = halves of
+// the first rotary_dim dims; x1' = x1*c - x2*s, x2' = x2*c + x1*s. x [T, num_heads, head_size], token
+// stride ldx, head stride head_size.
 template <typename T>
 int rope(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t ntok, int64_t num_heads,
-         int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads) {
-  if (ntok < 0 || num_heads <= 0 || head_size <= 0 || head_size % 2 || ldx < num_heads * head_size) return -1;
+         int64_t head_size, int64_t ldx, int64_t max_pos, int num_threads, int64_t rotary_dim = -1) {
+  // Partial rotary (Phi-4-mini, partial_rotary_factor < 1): only the first rotary_dim dims of each
+  // head rotate, as HF's apply_rotary_pos_emb on q[..., :rotary_dim]; the rest are left as they are.
+  if (rotary_dim < 0) rotary_dim = head_size;
+  if (ntok < 0 || num_heads <= 0 || head_size <= 0 || rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > head_size ||
+      ldx < num_heads * head_size)
+    return -1;
   for (int64_t t = 0; t < ntok; ++t)
     if (positions[t] < 0 || positions[t] >= max_pos) return -2;
   if (num_threads < 1) num_threads = 1;
-  const int64_t half = head_size / 2;
+  const int64_t half = rotary_dim / 2;  // the tables' row length
   constexpr int64_t kSplit = 16384;  // elements from which both threads take part (measured)
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (ntok * num_heads * head_size >= kSplit)
   for (int64_t t = 0; t < ntok; ++t) {

@@ -168,6 +168,11 @@ int linear_packed_gelu(const T* x, const W* packed, const T* bias, T* out, int64
                               int num_threads) {                                                                \
     return rope<T>(x, positions, cos, sin, ntok, num_heads, head_size, ldx, max_pos, num_threads);              \
   }                                                                                                             \
+  PR_EXPORT int rope_partial_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin,       \
+                                      int64_t ntok, int64_t num_heads, int64_t head_size, int64_t ldx,          \
+                                      int64_t max_pos, int num_threads, int64_t rotary_dim) {                   \
+    return rope<T>(x, positions, cos, sin, ntok, num_heads, head_size, ldx, max_pos, num_threads, rotary_dim);  \
+  }                                                                                                             \
   PR_EXPORT int silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t M, int64_t I, int64_t ldg, int64_t ldo, \
                                       int64_t block, int num_threads) {                                         \
     return silu_and_mul<T>(gate_up, out, M, I, ldg, ldo, block, num_threads);                                   \

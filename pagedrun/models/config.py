@@ -3,14 +3,17 @@
 Everything the model files, the KV cache sizing and the memory report read comes from here, so the
 supported subset is checked once, with errors that name config.json and the offending field.
 transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes one `rope_parameters` dict (Gemma 3:
-one per layer type); both are read. Sliding-window attention (Mistral, Qwen2/3 with
-use_sliding_window, Gemma 2's and Gemma 3's sliding layers) becomes `layer_windows`, one window per
-layer, as transformers assigns them.
+one per layer type); both are read, and each RoPE type's parameters are resolved here as transformers
+resolves them (defaults, original length, attention factor; models/rope.py computes the tables).
+LongRoPE's factors and dynamic NTK's base are chosen once, from the run's max_model_len.
+Sliding-window attention (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 2's and Gemma 3's
+sliding layers) becomes `layer_windows`, one window per layer, as transformers assigns them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedrun.errors import PagedrunError, echo
 
@@ -22,6 +25,8 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",  # its text model only: the vision tower's weights are skipped
+    "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini: Llama with fused q/k/v and gate/up on disk
+    "GraniteForCausalLM",  # Llama plus four scalar multipliers
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # transformers' Gemma2Config and Gemma3TextConfig defaults, for the fields pagedrun reads: Google's
@@ -36,10 +41,11 @@ _GEMMA_DEFAULTS = {
 _GEMMA3_DEFAULTS = {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                     "final_logit_softcapping": None, "attn_logit_softcapping": None}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # No size of a real model comes near this; a larger one is a broken config, refused before any
 # arithmetic or allocation (models/shapes.py then checks every size against the weights).
 _MAX_SIZE = 1 << 31
+_DEFAULT_MAX_MODEL_LEN = 8192  # resolve_max_model_len's cap on the model's context
 
 
 @dataclass
@@ -54,7 +60,8 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    # None for plain RoPE, else {"rope_type": "linear" | "llama3", ...HF parameters}.
+    # None for plain RoPE, else {"rope_type": "linear" | "dynamic" | "llama3" | "yarn" | "longrope",
+    # ...HF parameters, resolved (_rope_of: defaults filled in, LongRoPE's factors chosen)}.
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -83,6 +90,21 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim ** -0.5)
     attn_logit_softcapping: float = 0.0  # 0: off
     final_logit_softcapping: float = 0.0  # 0: off
+    # Partial rotary (partial_rotary_factor < 1, Phi-4-mini): the first rotary_dim dims of each head
+    # rotate, the rest pass through. 0: head_dim (set in __post_init__).
+    rotary_dim: int = 0
+    # Granite's scalars (defaults: none of them changes anything). embedding_multiplier scales the
+    # embeddings, residual_multiplier the attention's and the MLP's outputs before each residual add,
+    # the logits are divided by logits_scaling; attention_multiplier (None: head_dim ** -0.5) is the
+    # softmax scale.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
 
     def window_of(self, layer: int) -> int:
         """The window of one layer (0: full attention)."""
@@ -189,18 +211,33 @@ class ModelConfig:
         max_pos = req("max_position_embeddings")
         num_layers = req("num_hidden_layers")
         local_theta, local_scaling = None, None
+        # The run's length, as resolve_max_model_len will make it: LongRoPE's factors and dynamic
+        # NTK's base are chosen from it once (models/rope.py).
+        run_len = max_model_len or min(max_pos, _DEFAULT_MAX_MODEL_LEN)
+        rotary_dim = _rotary_dim(d, head_dim, err)
+        rope = _RopeContext(max_pos, run_len, rotary_dim, arch, err)
         if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
-            (rope_theta, rope_scaling), (local_theta, local_scaling) = _parse_gemma3_rope(d, max_pos, err)
+            (rope_theta, rope_scaling), (local_theta, local_scaling) = _parse_gemma3_rope(d, rope)
         else:
-            rope_theta, rope_scaling = _parse_rope(d, max_pos, err, default_theta=10000.0)
+            rope_theta, rope_scaling = _parse_rope(d, rope, default_theta=10000.0)
 
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = True if is_qwen2 else bool(d.get("attention_bias", False))
+        # Phi-3's projections never have biases (transformers' Phi3 reads no attention_bias).
+        attention_bias = True if is_qwen2 else bool(d.get("attention_bias", False)) and arch != "Phi3ForCausalLM"
         o_proj_bias = False if is_qwen2 else attention_bias
-        if arch == "LlamaForCausalLM":
+        if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
             mlp_bias = bool(d.get("mlp_bias", False))
         else:
             mlp_bias = False
+        granite: dict[str, Any] = {}
+        if arch == "GraniteForCausalLM":
+            for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+                # transformers' GraniteConfig defaults: 1.0 each (attention_multiplier too, not 1/sqrt(d))
+                value = _number(d.get(name, 1.0), name, err)
+                if not math.isfinite(value) or (name == "logits_scaling" and value == 0):
+                    raise err(name, f"expected a finite number{' other than 0' if name == 'logits_scaling' else ''}, "
+                                    f"got {echo(d.get(name))}")
+                granite[name] = value
 
         sliding_window = d.get("sliding_window")
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
@@ -208,7 +245,7 @@ class ModelConfig:
             raise err("sliding_window", f"expected a positive integer or null, got {echo(sliding_window)}")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
             sliding_window = None  # present in every Qwen config but switched off
-        if arch == "LlamaForCausalLM":
+        if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
             sliding_window = None
         layer_types = _layer_types(d, arch, num_layers, sliding_window, err)
         if sliding_window is None and gemma and "sliding_attention" in layer_types:
@@ -282,6 +319,8 @@ class ModelConfig:
             query_pre_attn_scalar=query_pre_attn_scalar,
             attn_logit_softcapping=attn_softcap or 0.0,
             final_logit_softcapping=final_softcap or 0.0,
+            rotary_dim=rotary_dim,
+            **granite,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -317,8 +356,9 @@ def _number(value: Any, key: str, err) -> float:
         raise err(key, f"expected a number, got {echo(value)}") from None
 
 
-def _parse_rope(d: dict[str, Any], max_pos: int, err, default_theta: float
+def _parse_rope(d: dict[str, Any], rope: _RopeContext, default_theta: float
                 ) -> tuple[float, dict[str, Any] | None]:
+    err = rope.err
     params = d.get("rope_parameters")
     key = "rope_parameters" if params is not None else "rope_scaling"
     if params is None:
@@ -333,14 +373,15 @@ def _parse_rope(d: dict[str, Any], max_pos: int, err, default_theta: float
             raise err("rope_parameters", "different RoPE per layer type is not supported")
         params = dict(variants[0]) if variants else {}
     key = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
-    return _rope_of(params, d.get("rope_theta", default_theta), d, max_pos, err, key, "rope_scaling")
+    return _rope_of(params, d.get("rope_theta", default_theta), d, rope, key, "rope_scaling")
 
 
-def _parse_gemma3_rope(d: dict[str, Any], max_pos: int, err):
+def _parse_gemma3_rope(d: dict[str, Any], rope: _RopeContext):
     """Gemma 3's two RoPEs: ((theta, scaling) of the full-attention layers, (theta, scaling) of the
     sliding ones). transformers 5 writes rope_parameters keyed by layer type; older configs have
     rope_theta + rope_scaling (the full layers') and rope_local_base_freq (the sliding layers',
     never scaled). Missing thetas take transformers' defaults, 1e6 and 1e4."""
+    err = rope.err
     params = d.get("rope_parameters")
     local_default = _number(d.get("rope_local_base_freq", 10000.0), "rope_local_base_freq", err)
     if isinstance(params, dict) and any(k in LAYER_TYPES for k in params):
@@ -350,16 +391,51 @@ def _parse_gemma3_rope(d: dict[str, Any], max_pos: int, err):
             sub = params.get(layer_type) or {}
             if not isinstance(sub, dict):
                 raise err(key, f"expected an object, got {echo(sub)}")
-            out.append(_rope_of(sub, default, d, max_pos, err, key, key))
+            out.append(_rope_of(sub, default, d, rope, key, key))
         return out[0], out[1]
-    return _parse_rope(d, max_pos, err, default_theta=1e6), (local_default, None)
+    return _parse_rope(d, rope, default_theta=1e6), (local_default, None)
 
 
-def _rope_of(params: dict[str, Any], default_theta: Any, d: dict[str, Any], max_pos: int, err, key: str,
+class _RopeContext(NamedTuple):
+    """What parsing a RoPE parameter dict needs besides the dict (from_hf_dict's fields)."""
+    max_pos: int
+    run_len: int  # the run's max_model_len
+    rotary_dim: int
+    arch: str
+    err: Any
+
+
+def _rotary_dim(d: dict[str, Any], head_dim: int, err) -> int:
+    """int(head_dim * partial_rotary_factor), the factor read as transformers reads it: the RoPE
+    parameters' own, else config.json's top-level one, else 1."""
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    key = "partial_rotary_factor"
+    if isinstance(params, dict) and params.get(key) is not None:
+        value, where = params[key], f"{'rope_parameters' if d.get('rope_parameters') else 'rope_scaling'}: {key}"
+    else:
+        value, where = d.get(key, 1.0), key
+    if value is None:
+        value = 1.0
+    factor = _number(value, where, err)
+    dim = int(head_dim * factor) if 0 < factor <= 1 else 0
+    if dim <= 0 or dim % 2:
+        raise err(where, f"expected a number in (0, 1] that leaves an even number of rotated dims of "
+                         f"head_dim {head_dim}, got {echo(value)}")
+    return dim
+
+
+def _rope_of(params: dict[str, Any], default_theta: Any, d: dict[str, Any], rope: _RopeContext, key: str,
              scaling_key: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) of one RoPE parameter dict; `key` and `scaling_key` name it in errors."""
+    """(theta, scaling) of one RoPE parameter dict; `key` and `scaling_key` name it in errors.
+    The scaling dict comes resolved as transformers resolves it (defaults, original length, attention
+    factor), so that models/rope.py only computes."""
+    err = rope.err
     theta = _number(params.get("rope_theta", default_theta), "rope_theta", err)
+    if not 0 < theta < float("inf"):
+        raise err("rope_theta", f"expected a positive number, got {echo(params.get('rope_theta', default_theta))}")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope.arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config renames both (old Phi-3 configs say "su")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise err(
             key,
@@ -367,16 +443,85 @@ def _rope_of(params: dict[str, Any], default_theta: Any, d: dict[str, Any], max_
         )
     if rope_type == "default":
         return float(theta), None
+
+    def bad(name: str, msg: str) -> PagedrunError:
+        return err(scaling_key, f"{rope_type}: {name}: {msg}")
+
+    def number(name: str, default: Any = "required", positive: bool = True) -> float | None:
+        value = params.get(name)
+        if value is None:
+            if default == "required":
+                raise bad(name, "missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(name, f"expected a number, got {echo(value)}")
+        value = float(value)
+        if not abs(value) < float("inf") or (positive and value <= 0):
+            raise bad(name, f"expected a {'positive' if positive else 'finite'} number, got {echo(params[name])}")
+        return value
+
     out: dict[str, Any] = {"rope_type": rope_type}
-    needed = ["factor"]
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3
+        # writes it there) wins over the RoPE parameters' own; the default is max_position_embeddings.
+        where = "original_max_position_embeddings"
+        orig = d.get(where)
+        if orig is None:
+            orig, where = params.get(where, rope.max_pos), f"{scaling_key}: {rope_type}: {where}"
+        if isinstance(orig, bool) or not isinstance(orig, int) or not 0 < orig <= _MAX_SIZE:
+            raise err(where, f"expected a positive integer, got {echo(orig)}")
+        out["original_max_position_embeddings"] = orig
+    if rope_type in ("linear", "dynamic", "llama3"):
+        out["factor"] = number("factor")
     if rope_type == "llama3":
-        needed += ["low_freq_factor", "high_freq_factor"]
-        # Same fallback as transformers' standardize_rope_params.
-        out["original_max_position_embeddings"] = params.get(
-            "original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)
-        )
-    for name in needed:
-        out[name] = _number(params.get(name), f"{rope_type}: {name}", lambda k, m: err(scaling_key, f"{k}: {m}"))
+        out["low_freq_factor"], out["high_freq_factor"] = number("low_freq_factor"), number("high_freq_factor")
+        if out["low_freq_factor"] == out["high_freq_factor"]:
+            raise bad("high_freq_factor", "must differ from low_freq_factor")
+    elif rope_type == "dynamic":
+        if rope.rotary_dim <= 2:
+            raise bad("factor", f"needs a rotary dimension above 2, got {rope.rotary_dim}")
+        out["max_model_len"] = rope.run_len
+    elif rope_type == "yarn":
+        orig = out["original_max_position_embeddings"]
+        factor = number("factor", None) or rope.max_pos / orig  # HF: no factor, the ratio of the lengths
+        attention_factor = number("attention_factor", None)
+        mscale, mscale_all_dim = number("mscale", None, False), number("mscale_all_dim", None, False)
+
+        def get_mscale(scale: float, m: float = 1) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            else:
+                attention_factor = get_mscale(factor)
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise bad("truncate", f"expected true or false, got {echo(truncate)}")
+        out.update(factor=factor, attention_factor=attention_factor, truncate=truncate,
+                   beta_fast=number("beta_fast", None) or 32.0, beta_slow=number("beta_slow", None) or 1.0)
+    elif rope_type == "longrope":
+        orig = out["original_max_position_embeddings"]
+        use_long = rope.run_len > orig  # chosen once for the run, as vLLM does (models/rope.py)
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            value = params.get(name)
+            if (not isinstance(value, list) or len(value) != rope.rotary_dim // 2
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")
+                           for v in value)):
+                raise bad(name, f"expected a list of {rope.rotary_dim // 2} (rotary dims / 2) positive numbers, "
+                                f"got {echo(value)}")
+            factors[name] = [float(v) for v in value]
+        factor = number("factor", None) or rope.max_pos / orig
+        attention_factor = number("attention_factor", None)
+        # vLLM's short_mscale / long_mscale where the config has them (transformers ignores both).
+        mscale = number("long_mscale" if use_long else "short_mscale", None)
+        if attention_factor is None:
+            attention_factor = mscale
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        out.update(long=use_long, ext_factors=factors["long_factor" if use_long else "short_factor"],
+                   attention_factor=attention_factor)
     return float(theta), out
 
 
@@ -386,8 +531,9 @@ def _layer_types(d: dict[str, Any], arch: str, num_layers: int, sliding_window: 
     sliding_window_pattern-th; Qwen2/3: layers from max_window_layers on; Mistral: all)."""
     if sliding_window is None and arch not in GEMMA_ARCHITECTURES:
         return ["full_attention"] * num_layers
-    if arch == "MistralForCausalLM":
-        return ["sliding_attention"] * num_layers  # transformers ignores a Mistral config's layer_types
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        # transformers ignores a Mistral config's layer_types, and Phi-3's has none: one window for all
+        return ["sliding_attention"] * num_layers
     given = d.get("layer_types")
     if given is not None:
         if (not isinstance(given, list) or len(given) != num_layers
@@ -412,7 +558,7 @@ def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     """The run's max_model_len: the recipe's, else the model's context capped at 8192 (a longer
     default would size every sequence's worst case, and the KV budget, for contexts batch jobs
     rarely use). One rule for a local run, a Ray driver and its replicas."""
-    max_model_len = requested or min(cfg.max_position_embeddings, 8192)
+    max_model_len = requested or min(cfg.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
     if max_model_len > cfg.max_position_embeddings:
         raise PagedrunError(
             f"model.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "

@@ -43,9 +43,9 @@ from pagedrun.models.llama import (
     Linear,
     LlamaAttention,
     LlamaForCausalLM,
-    RotaryEmbedding,
     VocabEmbedding,
 )
+from pagedrun.models.rope import RotaryEmbedding
 
 
 class GemmaRMSNorm(DirectCall, nn.Module):

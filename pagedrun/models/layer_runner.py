@@ -11,7 +11,8 @@ It applies when every op of the loop would have run its C++ kernel anyway: a CPU
 float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend whose C++ kernel
 reads the cache unquantized, and no forward hook on a decoder layer (the layers are not called one
 by one here); Qwen3's and Gemma 3's per-head q/k norms are the kernel the loop calls too
-(ops.rms_norm on a [T, heads, hd] view). Gemma's layers (models/gemma.py) run the same loop with
+(ops.rms_norm on a [T, heads, hd] view). Partial rotary and Granite's residual multiplier are
+declined (for_model). Gemma's layers (models/gemma.py) run the same loop with
 their two extra norms, their own RoPE tables per layer and GeGLU's kernel. Everything else, and
 PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which stays the reference
 (tests/models/test_layer_runner.py compares the two).
@@ -129,6 +130,12 @@ class LayerRunner:
             return None
         ops_lib = ops.load()
         if ops_lib is None or load() is None:
+            return None
+        # What the C loop has no op for: partial rotary (its rope call rotates whole heads) and
+        # Granite's residual multiplier (a scale before each residual add). The Python loop runs those.
+        if getattr(model.config, "residual_multiplier", 1.0) != 1.0:
+            return None
+        if any(2 * rotary.cos.shape[1] != model.config.head_dim for rotary in model.rotaries()):
             return None
         for layer in model.model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

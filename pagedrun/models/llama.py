@@ -15,7 +15,6 @@ pagedrun.models.ops: C++ kernels for float32 on the CPU, torch everywhere else.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +27,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.layer_runner import LayerRunner
+from pagedrun.models.rope import RotaryEmbedding
 
 
 class DirectCall:
@@ -107,46 +107,6 @@ class RMSNorm(DirectCall, nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: h = x + residual, then (norm(h), h)."""
         return ops.rms_norm(x, self.weight, self.eps, residual)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, computed with transformers' formulas."""
-    dim, base = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate in between.
-    old_len = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-class RotaryEmbedding(DirectCall, nn.Module):
-    """RoPE in the "rotate half" layout HF checkpoints use; cos/sin tables precomputed in float32."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.step_rows: dict = {}  # the torch path's rows of the tables for this step (ops.rope_rows)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope(positions, q, k, self.cos, self.sin, self.step_rows)
 
 
 class LlamaAttention(DirectCall, nn.Module):

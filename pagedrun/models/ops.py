@@ -60,6 +60,7 @@ class CpuModelOps:
             for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
                                    ("head_rms_norm", [_ptr] * 3 + [_i64] * 5 + [_f32, _int]),
                                    ("rope", [_ptr] * 4 + [_i64] * 5 + [_int]),
+                                   ("rope_partial", [_ptr] * 4 + [_i64] * 5 + [_int, _i64]),
                                    ("silu_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
                                    ("gelu_tanh_and_mul", [_ptr] * 2 + [_i64] * 5 + [_int]),
                                    ("linear_packed_silu", [_ptr] * 4 + [_i64] * 5 + [_int]),
@@ -258,23 +259,38 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor, memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, hd] and k [T, kv_heads, hd] by their tokens' positions ("rotate half"
-    layout; cos/sin tables [max_pos, hd/2] in float32). The kernel rotates q and k in place.
+    layout; cos/sin tables [max_pos, rotary_dim/2] in float32). The kernel rotates q and k in place.
+    With tables narrower than the head (partial rotary, rotary_dim < hd) only the first rotary_dim
+    dims of each head rotate, the rest pass through, as HF's apply_rotary_pos_emb does.
     memo: where the torch path keeps the step's rows of the tables for the next layer (rope_rows)."""
+    rotary_dim = 2 * cos.shape[-1]
     kern = _kernels_for(q, k)
     if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
             and cos.dtype == torch.float32 and sin.dtype == torch.float32
             and cos.is_contiguous() and sin.is_contiguous() and _heads_ok(q) and _heads_ok(k)):
         threads = torch.get_num_threads()
-        ok = all(
-            kern.op("rope", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
-                                     x.shape[1], x.shape[2], x.stride(0), cos.shape[0], threads) == 0
-            for x in (q, k)
-        )
+        if rotary_dim == q.shape[2]:
+            ok = all(
+                kern.op("rope", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                         x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.shape[0], threads) == 0
+                for x in (q, k)
+            )
+        else:
+            ok = all(
+                kern.op("rope_partial", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                                 x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.shape[0],
+                                                 threads, rotary_dim) == 0
+                for x in (q, k)
+            )
         if ok:
             return q, k
         # Refused before writing anything (a position outside the table): torch raises on it below.
     c, s = rope_rows(positions, cos, sin, q.dtype, memo)
-    return _rotate(q, c, s), _rotate(k, c, s)
+    if rotary_dim == q.shape[-1]:
+        return _rotate(q, c, s), _rotate(k, c, s)
+    # HF: cat([rotate(x[..., :rotary_dim]), x[..., rotary_dim:]])
+    return (torch.cat((_rotate(q[..., :rotary_dim], c, s), q[..., rotary_dim:]), dim=-1),
+            torch.cat((_rotate(k[..., :rotary_dim], c, s), k[..., rotary_dim:]), dim=-1))
 
 
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,

@@ -4,8 +4,8 @@ The model is sized by config.json, and a config can claim anything (10^7 layers 
 before the first weight is compared). The safetensors headers say what the weights really are, in
 microseconds: every size the allocation depends on must be witnessed by a tensor of that shape
 (vocabulary and hidden size by the embedding, head and MLP sizes by layer 0, the layer count by the
-number of layers with a q_proj), so a wrong config fails here, in one line, with nothing allocated.
-load_weights still checks every tensor as it copies it.
+number of layers with a q_proj, or Phi-3's qkv_proj), so a wrong config fails here, in one line,
+with nothing allocated. load_weights still checks every tensor as it copies it.
 """
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ from pathlib import Path
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 
-_LAYER_Q = re.compile(r"^model\.layers\.\d+\.self_attn\.q_proj\.weight$")
+_LAYER_Q = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|qkv_proj)\.weight$")
 # The tensors whose shapes fix every size the model allocates: they must be in the checkpoint.
 _WITNESSES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
               "model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight")
+# Phi-3 stores q/k/v and gate/up fused: o_proj [hidden, q] fixes the heads' width, qkv_proj then the
+# kv heads', gate_up_proj the MLP's.
+_FUSED_WITNESSES = ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                    "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight")
+_FUSED = ("Phi3ForCausalLM",)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -46,6 +51,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     if cfg.is_gemma:
         layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    if cfg.architecture in _FUSED:
+        for part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            del layer[part]
+        layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * inter, h)})
     out.update({f"model.layers.0.{k}": s for k, s in layer.items()})
     return out
 
@@ -72,7 +82,7 @@ def check_config_matches_weights(cfg: ModelConfig, files: list[Path], model_dir:
         text_name = cfg.text_tensor_name(name)
         if text_name is not None:
             shapes[text_name] = shape
-    missing = [n for n in _WITNESSES if n not in shapes]
+    missing = [n for n in (_FUSED_WITNESSES if cfg.architecture in _FUSED else _WITNESSES) if n not in shapes]
     if missing:
         raise PagedrunError(f"{model_dir}: missing tensors: {', '.join(missing)}")
     for name, want in expected_shapes(cfg).items():

@@ -277,7 +277,7 @@ def test_sparse_configs_take_transformers_defaults():
         ("gemma3", {"sliding_window": None}, "sliding_window"),
         ("gemma3", {"query_pre_attn_scalar": -1}, "query_pre_attn_scalar"),
         ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation"),
-        ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0},
+        ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "ntk-by-parts", "factor": 2.0},
                                         "sliding_attention": {}}}, "rope_parameters.full_attention"),
         ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear"}, "sliding_attention": {}}},
          "rope_parameters.full_attention"),

@@ -164,7 +164,7 @@ def test_config_fields(tiny_dirs):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
         ({"architectures": None}, "architectures"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"vocab_size": None}, "vocab_size"),

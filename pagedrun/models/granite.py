@@ -1,0 +1,85 @@
+"""Granite 3.x dense (GraniteForCausalLM): the Llama block and four scalars from config.json.
+
+- embedding_multiplier scales the embeddings (HF: inputs_embeds * m);
+- attention_multiplier is the softmax scale, in place of head_dim ** -0.5;
+- residual_multiplier scales the attention's and the MLP's outputs before each residual add
+  (HF: residual + h * m). llama.py fuses the add into the next norm (norm(h, residual)), so h * m
+  is what the norm adds: the same two float ops, the same bits;
+- the logits are divided by logits_scaling, after the head, as HF does.
+
+Applied explicitly, in HF's op order, so that greedy tokens equal HF's; folding the multipliers into
+o_proj / down_proj / the embedding at load would not be bit-identical, and the embedding cannot be
+scaled where it is also the (tied) LM head. The CPU layer runner has no op for the residual
+multiplier: models with one other than 1 run the Python loop (layer_runner.py declines them).
+GraniteMoE is another family (its MoE block), not this file's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedrun.models.config import ModelConfig
+from pagedrun.models.llama import (
+    Linear,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    RMSNorm,
+    VocabEmbedding,
+)
+from pagedrun.models.rope import RotaryEmbedding
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int) -> None:
+        super().__init__(config, dtype, layer_idx)
+        self.self_attn.scale = config.attention_multiplier  # read by the backend and the layer runner
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, positions, h, residual, rotary, kv_cache, meta, backend):
+        """LlamaDecoderLayer's, each branch's output times residual_multiplier before its residual add."""
+        m = self.residual_multiplier
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, x, rotary, kv_cache, meta, backend)
+        if m != 1.0:  # x * 1.0 is x: skipped, and the layer runner can take such a model
+            h = h * m
+        x, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(x)
+        return (h * m if m != 1.0 else h), residual
+
+
+class GraniteModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(GraniteDecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM's loading, packing and head, Granite's layers and scalars."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        nn.Module.__init__(self)  # not LlamaForCausalLM's: that builds Llama layers
+        self.config = config
+        self.dtype = dtype
+        with torch.device(device):
+            self.model = GraniteModel(config, dtype)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            )
+        self.rotary_emb = RotaryEmbedding(config).to(device)
+        self.layer_runner = None  # set once the weights are packed (LlamaForCausalLM's processing)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) * self.config.embedding_multiplier
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) / self.config.logits_scaling
