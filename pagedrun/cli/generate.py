@@ -66,6 +66,14 @@ class LocalRun:
         return build_report(self.llm.engine, self.results, wall_s=wall_s, load_s=self.load_s,
                             interrupted=interrupted)
 
+    def machine(self) -> dict:
+        import torch
+
+        from pagedrun.report.machine import machine_info
+
+        device = self.llm.engine.worker.device
+        return machine_info(str(torch.device(device).type), torch.get_num_threads())
+
     def plot(self, path: Path, output: Path, inputs: tuple[Path, ...]) -> None:
         from pagedrun.report.plot import plot_blocks
 

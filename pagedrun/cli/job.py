@@ -37,7 +37,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pagedrun.cli.progress_log import ProgressLog
+from pagedrun.cli.progress_log import ProgressLog, timestamp
 from pagedrun.errors import PagedrunError
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
@@ -198,6 +198,7 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
     # From here a first Ctrl-C or SIGTERM ends the job cleanly (every finished output kept), a second
     # one at once: during the load or the cluster's start too.
     stop.install()
+    started_at = timestamp()
     executor.start(console, quiet, num_requests=stream.num_pending, plot=plot)
 
     log = log or ProgressLog(console, 0, enabled=False)
@@ -248,7 +249,8 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         log.line(ProgressLog.status(counters["done"], total, tok_per_s(), time.perf_counter() - t0)
                  + (" (stopped)" if stop.stop else " (done)"))
         return _finish(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
-                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0)
+                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0,
+                       started_at=started_at)
     except RunFailed:
         raise
     except PagedrunError as e:
@@ -257,7 +259,7 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
 
 
 def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
-            stop, inputs: tuple[Path, ...], wall: float) -> int:
+            stop, inputs: tuple[Path, ...], wall: float, started_at: str | None = None) -> int:
     """After the run: the output in input order (or closed, if stopped), the report, the summary, the exit code."""
     change = stream.snapshot.change()
     if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
@@ -271,9 +273,10 @@ def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None
 
     report = report_file = None
     if recipe.output.report:
-        from pagedrun.report.report import write_report
+        from pagedrun.report.report import add_run_metadata, write_report
 
         report = count_records(executor.report(wall, interrupted), writer)
+        add_run_metadata(report, run_metadata(recipe, executor, started_at))
         report_file = write_report(report, output)
         if plot is not None and executor.plots:
             try:
@@ -294,6 +297,14 @@ def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
     return job_exit_code(writer, stream.num_lines, output, console)
+
+
+def run_metadata(recipe, executor, started_at: str | None) -> dict:
+    """The report's `run`: what ran where and when (report/report.py describes it)."""
+    from pagedrun import __version__
+
+    return {"model": model_name(recipe), "pagedrun_version": __version__, "machine": executor.machine(),
+            "recipe": recipe.to_dict(), "started_at": started_at, "ended_at": timestamp()}
 
 
 def count_records(report: dict, writer) -> dict:
