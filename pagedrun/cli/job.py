@@ -301,9 +301,13 @@ def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None
 
 def run_metadata(recipe, executor, started_at: str | None) -> dict:
     """The report's `run`: what ran where and when (report/report.py describes it)."""
-    from pagedrun import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"model": model_name(recipe), "pagedrun_version": __version__, "machine": executor.machine(),
+    try:
+        ours = version("pagedrun")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ours = None
+    return {"model": model_name(recipe), "pagedrun_version": ours, "machine": executor.machine(),
             "recipe": recipe.to_dict(), "started_at": started_at, "ended_at": timestamp()}
 
 
