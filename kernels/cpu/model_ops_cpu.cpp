@@ -21,6 +21,8 @@
 // SiLU is x / (1 + exp(-x)). Only reduction orders (and exp, within 2 ulp) differ from torch's.
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Each header includes what it uses (tests/build/test_kernel_headers.py compiles each alone); they are
@@ -197,4 +199,100 @@ PR_EXPORT int head_rms_norm_bf16_w32(const uint16_t* x, const float* weight, uin
                                      int64_t heads, int64_t head_size, int64_t ldx, int64_t ldo, float eps,
                                      int num_threads) {
   return head_rms_norm<uint16_t, float>(x, weight, out, ntok, heads, head_size, ldx, ldo, eps, num_threads);
+}
+
+// ---- Mixture of experts: every active expert's two GEMMs and the weighted sum, one call a layer ----
+//
+// out [T, H] (row stride ldo) = for each token t, the sum over its k slots, in the order given
+// (ascending expert: HF's), of w[t, j] * expert_ids[t, j](x[t]), where expert e(x) =
+// w2[e] . silu(gate) * up and [gate | up] = w13[e] . x (+ biases). Each weight is packed as a dense
+// layer's (w13[e] by pack_gate_up, w2[e] by pack_weight), expert e's at w13 + e * s13 and
+// w2 + e * s2 (elements of W). Dispatch is a counting sort of the T * k slots by expert (stable, so
+// rows keep token order within an expert): expert e's rows are contiguous, gathered once, and go
+// through linear_packed_silu and the w2 GEMM in one call each, so an active expert's weights are
+// read once per step whatever its row count. Every output element is the packed GEMM's sum (the
+// same bits as the dense kernels on those rows); the weighted sum rounds as torch's ops do: in fp32
+// for float, and for bf16 each product rounded (w first rounded to bf16 unless weights_f32, Mixtral)
+// and each add rounded, so a token's result does not depend on the rest of the batch.
+template <typename T, typename W>
+int moe_experts(const T* x, int64_t ldx, int64_t num_tokens, int64_t H, const int64_t* expert_ids,
+                const float* weights, int64_t k, int64_t E, const W* w13, const T* b13, int64_t s13, const W* w2,
+                const T* b2, int64_t s2, int64_t I, int weights_f32, T* out, int64_t ldo, int num_threads) {
+  if (num_tokens < 0 || H <= 0 || I <= 0 || k <= 0 || E <= 0 || ldx < H || ldo < H) return -1;
+  const int64_t R = num_tokens * k;
+  for (int64_t r = 0; r < R; ++r)
+    if (expert_ids[r] < 0 || expert_ids[r] >= E) return -2;
+  if (num_threads < 1) num_threads = 1;
+  std::vector<int64_t> start(static_cast<size_t>(E + 1), 0);  // expert e's rows: [start[e], start[e + 1])
+  std::vector<int64_t> row_of(static_cast<size_t>(R));          // slot t * k + j's row in the sorted order
+  for (int64_t r = 0; r < R; ++r) ++start[size_t(expert_ids[r] + 1)];
+  for (int64_t e = 0; e < E; ++e) start[size_t(e + 1)] += start[size_t(e)];
+  {
+    std::vector<int64_t> fill = start;  // the next free row of each expert's group
+    for (int64_t r = 0; r < R; ++r) row_of[size_t(r)] = fill[size_t(expert_ids[r])]++;
+  }
+  // The calling thread's scratch, kept between calls; used through plain pointers below, since a
+  // thread_local named inside a parallel region would be each worker's own (empty) vector.
+  static thread_local std::vector<T> xs_buf, act_buf, ys_buf;
+  xs_buf.resize(size_t(R * H));
+  act_buf.resize(size_t(R * I));
+  ys_buf.resize(size_t(R * H));
+  T* const xs = xs_buf.data();
+  T* const act = act_buf.data();
+  T* const ys = ys_buf.data();
+  const int64_t* const rows_of = row_of.data();
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t r = 0; r < R; ++r) std::memcpy(xs + rows_of[r] * H, x + (r / k) * ldx, size_t(H) * sizeof(T));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t m0 = start[size_t(e)], rows = start[size_t(e + 1)] - m0;
+    if (rows == 0) continue;  // an expert no token chose: its weights are not read
+    int rc = linear_packed_silu(xs + m0 * H, w13 + e * s13, b13 ? b13 + e * 2 * I : nullptr,
+                                act + m0 * I, rows, I, H, H, I, num_threads);
+    if (rc) return rc;
+    if constexpr (std::is_same<T, float>::value)
+      rc = linear_packed_f32(act + m0 * I, w2 + e * s2, b2 ? b2 + e * H : nullptr, ys + m0 * H,
+                             rows, H, I, I, H, num_threads);
+    else
+      rc = linear_packed_bf16(act + m0 * I, w2 + e * s2, b2 ? b2 + e * H : nullptr, ys + m0 * H,
+                              rows, H, I, I, H, num_threads);
+    if (rc) return rc;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    T* o = out + t * ldo;
+    for (int64_t j = 0; j < k; ++j) {
+      const T* y = ys + rows_of[t * k + j] * H;
+      if constexpr (std::is_same<T, float>::value) {
+        const float w = weights[t * k + j];
+        if (j == 0)
+          for (int64_t c = 0; c < H; ++c) o[c] = y[c] * w;
+        else
+          for (int64_t c = 0; c < H; ++c) o[c] = o[c] + y[c] * w;
+      } else {
+        const float w = weights_f32 ? weights[t * k + j] : bf16_to_f32(f32_to_bf16(weights[t * k + j]));
+        for (int64_t c = 0; c < H; ++c) {
+          const float p = bf16_to_f32(f32_to_bf16(bf16_to_f32(y[c]) * w));
+          o[c] = j == 0 ? f32_to_bf16(p) : f32_to_bf16(bf16_to_f32(o[c]) + p);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+PR_EXPORT int moe_experts_f32(const float* x, int64_t ldx, int64_t num_tokens, int64_t H, const int64_t* expert_ids,
+                              const float* weights, int64_t k, int64_t E, const float* w13, const float* b13,
+                              int64_t s13, const float* w2, const float* b2, int64_t s2, int64_t I, int weights_f32,
+                              float* out, int64_t ldo, int num_threads) {
+  return moe_experts<float, float>(x, ldx, num_tokens, H, expert_ids, weights, k, E, w13, b13, s13, w2, b2, s2, I,
+                                   weights_f32, out, ldo, num_threads);
+}
+
+PR_EXPORT int moe_experts_bf16(const uint16_t* x, int64_t ldx, int64_t num_tokens, int64_t H,
+                               const int64_t* expert_ids, const float* weights, int64_t k, int64_t E,
+                               const int32_t* w13, const uint16_t* b13, int64_t s13, const int32_t* w2,
+                               const uint16_t* b2, int64_t s2, int64_t I, int weights_f32, uint16_t* out,
+                               int64_t ldo, int num_threads) {
+  return moe_experts<uint16_t, int32_t>(x, ldx, num_tokens, H, expert_ids, weights, k, E, w13, b13, s13, w2, b2,
+                                        s2, I, weights_f32, out, ldo, num_threads);
 }

@@ -1,5 +1,5 @@
 """Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM (the Llama
-family) or GemmaForCausalLM (Gemma 2, Gemma 3's text model).
+family), GemmaForCausalLM (Gemma 2, Gemma 3's text model) or MoEForCausalLM (the MoE families).
 
 Weights are read with safetensors directly, tensor by tensor, and cast to the requested dtype while
 they are copied into place; transformers is used only for the tokenizer, with trust_remote_code=False,
@@ -18,6 +18,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
 from pagedrun.models.llama import LlamaForCausalLM
+from pagedrun.models.moe_models import MoEForCausalLM
 from pagedrun.models.shapes import check_config_matches_weights
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -103,7 +104,7 @@ def load_model(
     config = read_config(model_dir, max_model_len)
     files = safetensors_files(model_dir)
     check_config_matches_weights(config, files, model_dir)  # before allocating what config.json claims
-    model_class = GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
+    model_class = MoEForCausalLM if config.moe else GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
     model = model_class(config, dtype=dtype, device=device)
     try:
         model.load_weights(iter_safetensors(files, config.text_tensor_name))
