@@ -11,6 +11,7 @@ No timing assertions: these run on any x86 CPU and under load.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -272,3 +273,24 @@ def test_stacked_expert_layout_loads(moe_dirs, tmp_path):
         b, _ = load_model(d, torch.float32)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_profile_pass_routes_to_every_expert(moe_dirs, monkeypatch):
+    """The start-up profile pass runs worst-case routing (every expert active), and its floor counts
+    an MoE block's top_k rows per token."""
+    from pagedrun.worker.profiler import profile_floor_bytes
+
+    seen = []
+    real = FusedMoE.experts
+
+    def spy(self, x, weights, ids):
+        seen.append(set(ids.flatten().tolist()))
+        return real(self, x, weights, ids)
+
+    monkeypatch.setattr(FusedMoE, "experts", spy)
+    llm = LLM(None, [f"model.path={moe_dirs['qwen3_moe']}", "model.dtype=float32"])
+    assert seen and all(s == set(range(8)) for s in seen)
+    cfg = llm.engine.model_config
+    dense = profile_floor_bytes(dataclasses.replace(cfg, moe=None), [64], 16, torch.float32, 1)
+    assert profile_floor_bytes(cfg, [64], 16, torch.float32, 1) > dense
+    assert cfg.active_parameters() < cfg.num_parameters()
