@@ -20,6 +20,8 @@
 // and then by the weight; RoPE is x1*cos - x2*sin, x2*cos + x1*sin (bit-identical to torch's);
 // SiLU is x / (1 + exp(-x)). Only reduction orders (and exp, within 2 ulp) differ from torch's.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -223,14 +225,20 @@ PR_EXPORT int head_rms_norm_bf16_w32(const uint16_t* x, const float* weight, uin
 // fp32 for float, and for bf16 each product rounded (w first rounded to bf16 unless weights_f32,
 // Mixtral) and each add rounded, so a token's result does not depend on the rest of the batch.
 struct MoEDispatch {
-  std::vector<int64_t> start;   // expert e's rows: [start[e], start[e + 1])
-  std::vector<int64_t> row_of;  // slot t * k + j's row in the sorted order
+  std::vector<int64_t> start;    // expert e's rows: [start[e], start[e + 1])
+  std::vector<int64_t> row_of;   // slot t * k + j's row in the sorted order
+  std::vector<int64_t> slot_of;  // row_of's inverse
+  std::vector<int32_t> active;   // the experts with rows, ascending
 
-  MoEDispatch(const int64_t* expert_ids, int64_t R, int64_t E) : start(size_t(E + 1), 0), row_of(size_t(R)) {
+  MoEDispatch(const int64_t* expert_ids, int64_t R, int64_t E)
+      : start(size_t(E + 1), 0), row_of(size_t(R)), slot_of(size_t(R)) {
     for (int64_t r = 0; r < R; ++r) ++start[size_t(expert_ids[r] + 1)];
     for (int64_t e = 0; e < E; ++e) start[size_t(e + 1)] += start[size_t(e)];
     std::vector<int64_t> fill = start;  // the next free row of each expert's group
     for (int64_t r = 0; r < R; ++r) row_of[size_t(r)] = fill[size_t(expert_ids[r])]++;
+    for (int64_t r = 0; r < R; ++r) slot_of[size_t(row_of[size_t(r)])] = r;
+    for (int64_t e = 0; e < E; ++e)
+      if (start[size_t(e + 1)] > start[size_t(e)]) active.push_back(int32_t(e));
   }
 };
 
@@ -308,44 +316,101 @@ int moe_experts_region(const T* x, int64_t ldx, int64_t num_tokens, int64_t H, c
   const int64_t* const start = d.start.data();
   const int64_t n13 = int64_t(items13.e.size()), n2 = int64_t(items2.e.size());
   const int32_t *e13 = items13.e.data(), *q13 = items13.q.data(), *e2 = items2.e.data(), *q2 = items2.q.data();
+  const int64_t* const slot_of = d.slot_of.data();
+  const int64_t num_active = int64_t(d.active.size());
+  // Whole experts per thread where there are enough of them: each thread then gathers, multiplies
+  // and writes its experts' rows alone, and the region has one barrier (before the sum) instead of
+  // one per phase; each barrier cost a time slice whenever the machine had descheduled a thread.
+  // A split by panels is kept for fewer experts than 2 per thread (one expert would be one
+  // thread's).
+  const bool by_expert = num_active >= 2 * int64_t(num_threads);
+  // Expert a's share of the work: its weights' bytes (one unit) and its rows' arithmetic.
+  std::vector<double> cost_to(size_t(num_active + 1), 0.0);
+  for (int64_t a = 0; a < num_active; ++a) {
+    const int64_t e = d.active[size_t(a)];
+    cost_to[size_t(a + 1)] = cost_to[size_t(a)] + 1.0 + double(start[e + 1] - start[e]) / 64.0;
+  }
+  const int32_t* const active = d.active.data();
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<T> pair(size_t(max_rows * 2 * kPanel));  // a pair of panels' gate and up sums
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
-      std::memcpy(xs + rows_of[r] * H, x + (r / k) * ldx, size_t(H) * sizeof(T));
-      if constexpr (kWiden) widen_bf16_rows(xs, H, H, rows_of[r], xw);
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n13; ++i) {
-      const int64_t e = e13[i], j = q13[i], m0 = start[e], rows = start[e + 1] - m0;
-      const W* w = w13 + e * s13;
-      const T* b = b13 ? b13 + e * 2 * I : nullptr;
-      if constexpr (kF32) {
-        packed_panel(xs, H, m0, m0 + rows, w, 2 * j, np13, 2 * I, H, b, pair.data(), 2 * kPanel);
-        packed_panel(xs, H, m0, m0 + rows, w, 2 * j + 1, np13, 2 * I, H, b, pair.data() + kPanel, 2 * kPanel);
-      } else {
-        bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j, H / 2, 2 * I, b, pair.data(), 2 * kPanel);
-        bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j + 1, H / 2, 2 * I, b, pair.data() + kPanel, 2 * kPanel);
+    if (by_expert) {
+      const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+      // This thread's experts: those whose cost midpoint falls in its equal share.
+      const double total = cost_to[size_t(num_active)];
+      for (int64_t a = 0; a < num_active; ++a) {
+        const double mid = 0.5 * (cost_to[size_t(a)] + cost_to[size_t(a + 1)]);
+        if (std::min(int(mid * nt / total), nt - 1) != tid) continue;
+        const int64_t e = active[a], m0 = start[e], m1 = start[e + 1], rows = m1 - m0;
+        for (int64_t m = m0; m < m1; ++m) {
+          std::memcpy(xs + m * H, x + (slot_of[m] / k) * ldx, size_t(H) * sizeof(T));
+          if constexpr (kWiden) widen_bf16_rows(xs, H, H, m, xw);
+        }
+        const W* w = w13 + e * s13;
+        const T* b = b13 ? b13 + e * 2 * I : nullptr;
+        for (int64_t j = 0; j < np13 / 2; ++j) {
+          if constexpr (kF32) {
+            packed_panel(xs, H, m0, m1, w, 2 * j, np13, 2 * I, H, b, pair.data(), 2 * kPanel);
+            packed_panel(xs, H, m0, m1, w, 2 * j + 1, np13, 2 * I, H, b, pair.data() + kPanel, 2 * kPanel);
+          } else {
+            bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j, H / 2, 2 * I, b, pair.data(), 2 * kPanel);
+            bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j + 1, H / 2, 2 * I, b, pair.data() + kPanel,
+                                 2 * kPanel);
+          }
+          silu_and_mul<T>(pair.data(), act + m0 * I + j * kPanel, rows, kPanel, 2 * kPanel, I, kPanel, 1);
+        }
+        if constexpr (kWiden)
+          for (int64_t m = m0; m < m1; ++m) widen_bf16_rows(act, I, I, m, aw);
+        const W* v = w2 + e * s2;
+        const T* c = b2 ? b2 + e * H : nullptr;
+        for (int64_t q = 0; q < np2; ++q) {
+          if constexpr (kF32)
+            packed_panel(act, I, m0, m1, v, q, np2, H, I, c, ys + m0 * H + q * kPanel, H);
+          else
+            bf16_panel_rows<Dot>(ar + m0 * I, I, rows, v, q, I / 2, H, c, ys + m0 * H + q * kPanel, H);
+        }
       }
-      silu_and_mul<T>(pair.data(), act + m0 * I + j * kPanel, rows, kPanel, 2 * kPanel, I, kPanel, 1);
-    }
-    if constexpr (kWiden) {
+#pragma omp barrier
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < R; ++r) widen_bf16_rows(act, I, I, r, aw);
-    }
+      for (int64_t t = 0; t < num_tokens; ++t)
+        moe_combine_row(ys, rows_of, weights, t, k, H, weights_f32, out + t * ldo);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n2; ++i) {
-      const int64_t e = e2[i], q = q2[i], m0 = start[e], rows = start[e + 1] - m0;
-      const W* w = w2 + e * s2;
-      const T* b = b2 ? b2 + e * H : nullptr;
-      if constexpr (kF32)
-        packed_panel(act, I, m0, m0 + rows, w, q, np2, H, I, b, ys + m0 * H + q * kPanel, H);
-      else
-        bf16_panel_rows<Dot>(ar + m0 * I, I, rows, w, q, I / 2, H, b, ys + m0 * H + q * kPanel, H);
-    }
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(xs + rows_of[r] * H, x + (r / k) * ldx, size_t(H) * sizeof(T));
+        if constexpr (kWiden) widen_bf16_rows(xs, H, H, rows_of[r], xw);
+      }
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_tokens; ++t) moe_combine_row(ys, rows_of, weights, t, k, H, weights_f32, out + t * ldo);
+      for (int64_t i = 0; i < n13; ++i) {
+        const int64_t e = e13[i], j = q13[i], m0 = start[e], rows = start[e + 1] - m0;
+        const W* w = w13 + e * s13;
+        const T* b = b13 ? b13 + e * 2 * I : nullptr;
+        if constexpr (kF32) {
+          packed_panel(xs, H, m0, m0 + rows, w, 2 * j, np13, 2 * I, H, b, pair.data(), 2 * kPanel);
+          packed_panel(xs, H, m0, m0 + rows, w, 2 * j + 1, np13, 2 * I, H, b, pair.data() + kPanel, 2 * kPanel);
+        } else {
+          bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j, H / 2, 2 * I, b, pair.data(), 2 * kPanel);
+          bf16_panel_rows<Dot>(xr + m0 * H, H, rows, w, 2 * j + 1, H / 2, 2 * I, b, pair.data() + kPanel, 2 * kPanel);
+        }
+        silu_and_mul<T>(pair.data(), act + m0 * I + j * kPanel, rows, kPanel, 2 * kPanel, I, kPanel, 1);
+      }
+      if constexpr (kWiden) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; ++r) widen_bf16_rows(act, I, I, r, aw);
+      }
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n2; ++i) {
+        const int64_t e = e2[i], q = q2[i], m0 = start[e], rows = start[e + 1] - m0;
+        const W* w = w2 + e * s2;
+        const T* b = b2 ? b2 + e * H : nullptr;
+        if constexpr (kF32)
+          packed_panel(act, I, m0, m0 + rows, w, q, np2, H, I, b, ys + m0 * H + q * kPanel, H);
+        else
+          bf16_panel_rows<Dot>(ar + m0 * I, I, rows, w, q, I / 2, H, b, ys + m0 * H + q * kPanel, H);
+      }
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < num_tokens; ++t) moe_combine_row(ys, rows_of, weights, t, k, H, weights_f32, out + t * ldo);
+    }
   }
   return 0;
 }

@@ -155,18 +155,34 @@ def _random_block(dtype, e=8, h=64, i=32, top_k=3):
     return block, cfg
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_kernel_matches_torch(dtype):
+@pytest.mark.parametrize("dtype,dot", [(torch.float32, -1), (torch.bfloat16, 1), (torch.bfloat16, 0)])
+def test_grouped_kernel_matches_torch(dtype, dot):
     """ops.moe_experts against FusedMoE.torch_experts on the same packed weights, with experts
-    that get no rows, one row, and most rows."""
-    if ops.load() is None:
+    that get no rows, one row, and most rows; bf16 on vdpbf16ps (dot 1, where the CPU has it) and
+    on widened FMAs (dot 0), which give the same bits."""
+    kern = ops.load()
+    if kern is None:
         pytest.skip(f"no CPU kernels: {ops.load_error()}")
+    before_dot, before_amx = kern.lib.packed_gemm_bf16_dot(-1), kern.lib.packed_gemm_amx(-1)
+    try:
+        if dot >= 0:
+            kern.lib.packed_gemm_amx(0)
+            if kern.lib.packed_gemm_bf16_dot(dot) != dot:
+                pytest.skip("this CPU has no vdpbf16ps")
+        _check_grouped_kernel(dtype)
+    finally:
+        kern.lib.packed_gemm_bf16_dot(before_dot)
+        kern.lib.packed_gemm_amx(before_amx)
+
+
+def _check_grouped_kernel(dtype):
     block, cfg = _random_block(dtype)
     block.process_weights_after_loading()
     assert block.packed
     torch.manual_seed(4)
     before = torch.get_num_threads()
-    for t, threads in ((1, 1), (5, 2), (40, 2), (40, 1)):  # 2 threads: the scratch is the caller's
+    # 1 token on 2 threads: 3 experts split by panels; the rest: whole experts per thread.
+    for t, threads in ((1, 1), (1, 2), (5, 2), (40, 2), (100, 1)):
         torch.set_num_threads(threads)
         x = torch.randn(t, cfg.hidden_size).to(dtype)
         ids = torch.stack([torch.randperm(6)[:3] for _ in range(t)]).sort(dim=1).values  # experts 6, 7: no rows
