@@ -469,9 +469,11 @@ int moe_experts(const T* x, int64_t ldx, int64_t num_tokens, int64_t H, const in
       return moe_experts_per_expert(x, ldx, num_tokens, H, weights, k, E, w13, b13, s13, w2, b2, s2, I, weights_f32,
                                     out, ldo, num_threads, d);
 #endif
-    if (use_bf16_dot())
-      return moe_experts_region<T, W, true>(x, ldx, num_tokens, H, weights, k, E, w13, b13, s13, w2, b2, s2, I,
-                                            weights_f32, out, ldo, num_threads, d);
+    if constexpr (kHaveBf16Dot) {  // the vdpbf16ps path exists only where the build has it
+      if (use_bf16_dot())
+        return moe_experts_region<T, W, true>(x, ldx, num_tokens, H, weights, k, E, w13, b13, s13, w2, b2, s2, I,
+                                              weights_f32, out, ldo, num_threads, d);
+    }
     return moe_experts_region<T, W, false>(x, ldx, num_tokens, H, weights, k, E, w13, b13, s13, w2, b2, s2, I,
                                            weights_f32, out, ldo, num_threads, d);
   }
