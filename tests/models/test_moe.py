@@ -310,3 +310,66 @@ def test_profile_pass_routes_to_every_expert(moe_dirs, monkeypatch):
     dense = profile_floor_bytes(dataclasses.replace(cfg, moe=None), [64], 16, torch.float32, 1)
     assert profile_floor_bytes(cfg, [64], 16, torch.float32, 1) > dense
     assert cfg.active_parameters() < cfg.num_parameters()
+
+
+def _pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """ops.pack_weight's layout for another panel width (N a multiple of it)."""
+    n, k = weight.shape
+    if weight.dtype is torch.bfloat16:
+        return weight.view(n // panel, panel, k // 2, 2).transpose(1, 2).contiguous()
+    return weight.view(n // panel, panel, k).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_kernel_is_the_dense_kernels_bits(dtype):
+    """The grouped kernel gives, bit for bit, the dense kernels run expert by expert on each
+    expert's rows and torch's weighted sum, on every vector path of this build and on the 8-wide
+    build (PR_GEMM_VEC8: AVX2's panels of 16), 1 and 2 threads."""
+    from cpu_libraries import load_or_skip
+
+    from pagedrun.build import cpu as cpu_build
+
+    kern = load_or_skip(ops.load, ops.load_error, "CPU model ops")
+    block, cfg = _random_block(dtype)
+    block.process_weights_after_loading()
+    h, i = cfg.hidden_size, cfg.moe.intermediate_size
+    g = torch.Generator().manual_seed(9)
+    t = 9
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(t)]).sort(dim=1).values
+    w = torch.rand(t, 3, generator=g).to(dtype)
+    ys = torch.empty(t, 3, h, dtype=dtype)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        act = ops.gate_up_silu(x[tok], block.w13[e], None, i)
+        ys[tok, slot] = ops.linear_packed(act, block.w2[e], None, h)
+    prod = (ys * w[:, :, None]).to(dtype)
+    want = prod[:, 0]
+    for j in (1, 2):
+        want = want + prod[:, j]
+    before_dot, before_amx, threads = kern.lib.packed_gemm_bf16_dot(-1), kern.lib.packed_gemm_amx(-1), \
+        torch.get_num_threads()
+    try:
+        kern.lib.packed_gemm_amx(0)
+        for dot in (0, 1) if dtype is torch.bfloat16 else (0,):
+            if kern.lib.packed_gemm_bf16_dot(dot) != dot:
+                continue
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got = ops.moe_experts(x, ids, w, block.w13, None, block.w2, None, i)
+                assert torch.equal(got, want), (dot, n, (got.float() - want.float()).abs().max())
+    finally:
+        kern.lib.packed_gemm_bf16_dot(before_dot)
+        kern.lib.packed_gemm_amx(before_amx)
+        torch.set_num_threads(threads)
+    narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
+    p = narrow.panel
+    w13 = torch.stack([_pack(ops._interleave(block.expert_weights(e)[0], p), p) for e in range(8)])
+    w2 = torch.stack([_pack(block.expert_weights(e)[2], p) for e in range(8)])
+    words = 2 if dtype is torch.bfloat16 else 1
+    wf = w.float().contiguous()
+    out = torch.empty(t, h, dtype=dtype)
+    assert narrow.op("moe_experts", dtype)(
+        x.data_ptr(), h, t, h, ids.contiguous().data_ptr(), wf.data_ptr(), 3, 8, w13.data_ptr(), 0,
+        w13.stride(0) // words, w2.data_ptr(), 0, w2.stride(0) // words, i, 0, out.data_ptr(), h, 2) == 0
+    assert torch.equal(out, want)
