@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrun.errors import PagedrunError
 from pagedrun.models import ops
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import DirectCall, Linear, LlamaMLP
@@ -79,8 +80,9 @@ def swigluoai(gate_up: torch.Tensor) -> torch.Tensor:
 class FusedMoE(DirectCall, nn.Module):
     """The experts of one layer stacked per projection: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I]; the router `gate` [E, H]; optionally shared_expert (+ shared_expert_gate [1, H]).
-    After loading, each expert's w13 and w2 are packed for the CPU GEMM kernels (w13 as
-    ops.pack_gate_up packs a dense layer's gate/up), stacked: [E, ...packed shape]."""
+    Where the CPU kernels run, each expert's w13 and w2 are stored packed instead, as a dense
+    layer's are (w13 as ops.pack_gate_up packs gate/up), stacked: [E, ...packed shape];
+    load_expert writes each arriving tensor into its place in either layout."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -90,13 +92,28 @@ class FusedMoE(DirectCall, nn.Module):
         e, h, i = cfg.num_experts, config.hidden_size, cfg.intermediate_size
         self.hidden_size, self.intermediate_size, self.num_experts = h, i, e
         self.gate = Linear(h, e, bias=cfg.router_bias, dtype=dtype)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+        # Packed as they load (load_expert), in the layout ops.pack_gate_up / ops.pack_weight give a
+        # dense layer's gate/up and down weights: packing after loading would hold every expert
+        # twice for a moment, and experts are most of an MoE model's bytes.
+        p = ops.packing_panel(dtype, torch.empty(0).device) if cfg.activation == "silu" else None
+        if p is not None and (i % p or (dtype is torch.bfloat16 and (h % 2 or i % 2))):
+            p = None
+        self.panel, self.packed = p, p is not None
+        if p is None:
+            w13, w2 = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
+        else:
+            pair = (2,) if dtype is torch.bfloat16 else ()  # bf16: k in pairs (ops.pack_weight)
+            div = 2 if pair else 1
+            np2 = -(-h // p)
+            w13 = torch.empty(e, 2 * i // p, h // div, p, *pair, dtype=dtype)
+            alloc = torch.zeros if h % p else torch.empty  # the last panel's padding columns stay 0
+            w2 = alloc(e, np2, i // div, p, *pair, dtype=dtype)
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
         self.w13_bias = self.w2_bias = None
-        if cfg.expert_bias:
+        if cfg.expert_bias:  # w13's bias interleaved as its rows are (ops.pack_gate_up) when packed
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
-        self.packed = False  # w13 / w2 in the packed layout (process_weights_after_loading)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = dataclasses.replace(config, intermediate_size=cfg.shared_expert_intermediate_size,
@@ -105,25 +122,47 @@ class FusedMoE(DirectCall, nn.Module):
         if cfg.shared_expert_gate:
             self.shared_expert_gate = Linear(h, 1, bias=False, dtype=dtype)
 
+    def load_expert(self, e: int, part: str, tensor: torch.Tensor) -> None:
+        """Expert e's "gate" or "up" ([I, H]), "down" ([H, I]) weight, or "gate_bias", "up_bias"
+        ([I]), "down_bias" ([H]), into its place in w13 / w2 (packed or plain). A shape mismatch
+        raises a PagedrunError (the caller adds the tensor's name)."""
+        i, h, p = self.intermediate_size, self.hidden_size, self.panel
+        want = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_bias": (i,), "up_bias": (i,), "down_bias": (h,)}
+        if part not in want or (part.endswith("_bias") and self.w13_bias is None):
+            raise PagedrunError(f"unexpected tensor ({part} of expert {e}: the block has none)")
+        if tuple(tensor.shape) != want[part]:
+            raise PagedrunError(f"shape mismatch: model expects {list(want[part])}, checkpoint has "
+                                f"{list(tensor.shape)}")
+        half = 0 if part.startswith("gate") else 1
+        with torch.no_grad():
+            if part == "down_bias":
+                self.w2_bias.data[e].copy_(tensor)
+            elif part.endswith("_bias"):
+                dst = self.w13_bias.data[e]
+                if p is None:
+                    dst[half * i:(half + 1) * i].copy_(tensor)
+                else:
+                    dst.view(2 * i // p, p)[half::2].copy_(tensor.reshape(i // p, p))
+            elif p is None:
+                dst = self.w2.data[e] if part == "down" else self.w13.data[e, half * i:(half + 1) * i]
+                dst.copy_(tensor)
+            else:
+                # ops.pack_weight's layout: packed[q, k, j] = w[q * p + j, k] (bf16: k in pairs);
+                # pack_gate_up's panel 2j is gate's columns [j * p, (j + 1) * p), 2j + 1 up's.
+                if part == "down":
+                    dst, rows = self.w2.data[e], self.w2.shape[1] * p
+                    tensor = F.pad(tensor, (0, 0, 0, rows - h)) if rows != h else tensor
+                else:
+                    dst = self.w13.data[e][half::2]
+                n, k = tensor.shape
+                if self.w13.dim() == 5:  # bf16
+                    dst.copy_(tensor.reshape(n // p, p, k // 2, 2).transpose(1, 2))
+                else:
+                    dst.copy_(tensor.reshape(n // p, p, k).transpose(1, 2))
+
     def process_weights_after_loading(self) -> None:
-        """Pack every expert's w13 (gate/up interleaved a panel at a time) and w2 for the CPU GEMM
-        kernels; nothing where the kernels cannot take them (kept plain: the torch path). The
-        router and the shared expert are Linears: the model packs those."""
-        if self.cfg.activation != "silu":
-            return  # the fused epilogue is SiLU's: swigluoai runs in torch on the plain weights
-        w13, w2 = [], []
-        for e in range(self.num_experts):
-            b13 = None if self.w13_bias is None else self.w13_bias.data[e]
-            p13, p2 = ops.pack_gate_up(self.w13.data[e], b13), ops.pack_weight(self.w2.data[e])
-            if p13 is None or p2 is None:
-                return
-            w13.append(p13)
-            w2.append(p2)
-        self.w13.data = torch.stack([p[0] for p in w13])
-        if self.w13_bias is not None:
-            self.w13_bias.data = torch.stack([p[1] for p in w13])
-        self.w2.data = torch.stack(w2)
-        self.packed = True
+        """Nothing left to do: load_expert packed the experts (the router and the shared expert
+        are Linears, which the model packs)."""
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Expert e's (w13 [2I, H] gate then up, its bias, w2 [H, I], its bias), unpacked if packed."""
@@ -132,7 +171,7 @@ class FusedMoE(DirectCall, nn.Module):
         b2 = None if self.w2_bias is None else self.w2_bias[e]
         if not self.packed:
             return w13, b13, w2, b2
-        panel = w13.shape[2]
+        panel = self.panel
         w13 = ops._deinterleave(ops.unpack_weight(w13, 2 * self.intermediate_size), panel)
         if b13 is not None:
             b13 = ops._deinterleave(b13, panel)

@@ -112,15 +112,14 @@ class MoEForCausalLM(LlamaForCausalLM):
                 raise PagedrunError(f"{hf_name}: unexpected tensor (not part of {self.config.architecture})")
             return block
 
-        def put(hf_name: str, dst: torch.Tensor, tensor: torch.Tensor, keys: list[tuple[int, int, str]]) -> None:
-            if any(key in loaded for key in keys):
+        def put(hf_name: str, block: FusedMoE, layer: int, e: int, part: str, tensor: torch.Tensor) -> None:
+            if (layer, e, part) in loaded:
                 raise PagedrunError(f"{hf_name}: appears twice in the checkpoint")
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise PagedrunError(f"{hf_name}: shape mismatch: model expects {list(dst.shape)}, "
-                                    f"checkpoint has {list(tensor.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
-            loaded.update(keys)
+            try:
+                block.load_expert(e, part, tensor)
+            except PagedrunError as err:
+                raise PagedrunError(f"{hf_name}: {err}") from None
+            loaded.add((layer, e, part))
 
         def rest():
             for hf_name, tensor in weights:
@@ -128,20 +127,24 @@ class MoEForCausalLM(LlamaForCausalLM):
                     hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
                 m = _PER_EXPERT.match(hf_name)
                 if m:
-                    layer, e, part = int(m.group(1)), int(m.group(2)), _PART[m.group(3)]
-                    block = target(hf_name, layer, e)
-                    i = block.intermediate_size
-                    dst = {"gate": block.w13.data[e, :i], "up": block.w13.data[e, i:],
-                           "down": block.w2.data[e]}[part]
-                    put(hf_name, dst, tensor, [(layer, e, part)])
+                    layer, e = int(m.group(1)), int(m.group(2))
+                    put(hf_name, target(hf_name, layer, e), layer, e, _PART[m.group(3)], tensor)
                     continue
                 m = _STACKED_EXPERTS.match(hf_name)
                 if m:
                     layer = int(m.group(1))
                     block = target(hf_name, layer, None)
-                    parts = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
-                    dst = block.w13.data if m.group(2) == "gate_up_proj" else block.w2.data
-                    put(hf_name, dst, tensor, [(layer, e, p) for e in range(block.num_experts) for p in parts])
+                    e_, i, h = block.num_experts, block.intermediate_size, block.hidden_size
+                    want = (e_, 2 * i, h) if m.group(2) == "gate_up_proj" else (e_, h, i)
+                    if tuple(tensor.shape) != want:
+                        raise PagedrunError(f"{hf_name}: shape mismatch: model expects {list(want)}, "
+                                            f"checkpoint has {list(tensor.shape)}")
+                    for e in range(e_):
+                        if m.group(2) == "gate_up_proj":
+                            put(hf_name, block, layer, e, "gate", tensor[e, :i])
+                            put(hf_name, block, layer, e, "up", tensor[e, i:])
+                        else:
+                            put(hf_name, block, layer, e, "down", tensor[e])
                     continue
                 yield hf_name, tensor
 

@@ -143,6 +143,16 @@ def _rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
 
 
+def packing_panel(dtype: torch.dtype, device: torch.device) -> int | None:
+    """The panel width pack_weight would pack a weight of this dtype on this device with, or None
+    where it would keep it plain (kernels off or unavailable, not float32 / bfloat16, not the CPU).
+    For weights packed as they are loaded (FusedMoE's experts)."""
+    if not _enabled or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
+        return None
+    kern = load()
+    return None if kern is None else kern.panel
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] in the packed GEMM's layout; None where the kernel cannot take it (not float32
     or bfloat16 on the CPU, an odd K in bfloat16, kernels off or unavailable): keep it as it is.

@@ -284,11 +284,21 @@ def test_stacked_expert_layout_loads(moe_dirs, tmp_path):
         tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
         tensors[f"{p}.down_proj"] = torch.stack(down)
     save_file(tensors, str(d / "model.safetensors"))
-    with ops.torch_only():
-        a, _ = load_model(src, torch.float32)
-        b, _ = load_model(d, torch.float32)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(p, q), n
+    for dtype in (torch.float32, torch.bfloat16):
+        with ops.torch_only():
+            a, _ = load_model(src, dtype)
+            b, _ = load_model(d, dtype)
+        for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            assert torch.equal(p, q), n
+        if ops.load() is None:
+            continue
+        packed, _ = load_model(d, dtype)  # the experts packed as they load: pack_gate_up's layout
+        for (_, plain), (_, block) in zip(a.moe_blocks(), packed.moe_blocks()):
+            assert block.packed
+            for e in range(block.num_experts):
+                assert torch.equal(block.w13[e], ops.pack_gate_up(plain.w13[e], None)[0])
+                assert torch.equal(block.w2[e], ops.pack_weight(plain.w2[e]))
+                assert all(u is v or torch.equal(u, v) for u, v in zip(block.expert_weights(e), plain.expert_weights(e)))
 
 
 def test_profile_pass_routes_to_every_expert(moe_dirs, monkeypatch):
