@@ -96,8 +96,11 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     e = llm.engine
     m = e.memory
     cfg = e.model_config
+    active = cfg.active_parameters()
+    active = f" ({active / 1e6:.1f}M active)" if active != cfg.num_parameters() else ""
     console.print(
-        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
+        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params"
+        f"{active}, "
         f"{e.recipe.model.dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )

@@ -126,8 +126,8 @@ class LayerRunner:
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
         """A runner for a loaded model (weights packed), or None where it cannot apply."""
-        if model.dtype not in _DTYPES:
-            return None
+        if model.dtype not in _DTYPES or getattr(model.config, "moe", None) is not None:
+            return None  # MoE layers have no op in the runner yet: the Python layer loop runs them
         ops_lib = ops.load()
         if ops_lib is None or load() is None:
             return None
