@@ -29,6 +29,13 @@
 // (softcap > 0): every score becomes softcap * tanh(score / softcap) before the online softmax
 // (softcap_scores, or softmax_row32 on AMX).
 //
+// Attention sinks (GPT-OSS; sinks non-null, float32 [num_heads]): head h's sink is one more logit with
+// a zero value vector. It joins the denominator once, when a row's output is normalised: with the
+// row's final running max m and sum l, M = max(m, sink), out = acc e^(m - M) / (l e^(m - M) + e^(sink - M)),
+// which is the softmax over the keys and the sink together (HF's eager attention concatenates the
+// sink to the scores). Nothing in the chunk loops changes, so every path (decode, read alone, tiled,
+// AMX) takes it from the same few lines, and a call without sinks pays one test per row.
+//
 // Return value: 0 on success, negative when an argument is out of range (the caller falls back to
 // torch or raises); nothing is written in that case.
 
@@ -69,6 +76,7 @@ struct Shape {
   float scale;
   int64_t window;  // keys a query sees, itself included (0: all before it)
   float softcap;   // scores capped at softcap * tanh(score / softcap) (0: not capped)
+  const float* sinks;  // [num_heads] attention sink logits (nullptr: none)
 };
 
 // The first key position a query at `pos` sees.
@@ -278,7 +286,13 @@ __attribute__((always_inline)) inline void attend_item(
     for (int64_t t = 0; t < it.ntok; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = ((h - it.kv0) * it.ntok + t) * group + g;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        if (sh.sinks && l[r] > 0.0f) {
+          // The sink's term, both rescaled to the larger of the two maxima (l = 0: no key, out = 0).
+          const float sink = sh.sinks[h * group + g], top = sink > m[r] ? sink : m[r];
+          const float f = exp_f32(m[r] - top);
+          inv = f / (l[r] * f + exp_f32(sink - top));
+        }
         T* dst = out + (it.tok0 + t) * sh.o_stride + (h * group + g) * hd;
         const float* ar = acc + r * hd;
         for (int64_t d = 0; d < hd; ++d) dst[d] = from_f32<T>(ar[d] * inv);
@@ -336,6 +350,9 @@ int check_shape(const Shape& sh) {
   if (sh.block_size <= 0 || sh.num_blocks <= 0 || sh.table_stride < 0) return -3;
   if (sh.q_stride < sh.num_heads * sh.head_size || sh.o_stride < sh.num_heads * sh.head_size) return -4;
   if (sh.window < 0 || !(sh.softcap >= 0.0f) || sh.softcap > 3.0e38f) return -10;  // NaN and inf refused too
+  if (sh.sinks)  // -inf is a sink that never weighs; NaN and +inf would make every weight NaN
+    for (int64_t h = 0; h < sh.num_heads; ++h)
+      if (!(sh.sinks[h] < __builtin_inff())) return -11;
   return 0;
 }
 
@@ -451,8 +468,9 @@ int dispatch(int dtype, int kv_kind, const float* k_aux, const float* v_aux, int
 // Every query of sequence i (tokens query_start_loc[i]..query_start_loc[i+1], at positions
 // p = context_lens[i] + j) attends causally to cache positions 0..p (window > 0: the window keys
 // max(0, p - window + 1)..p; softcap > 0: scores capped); rows of tokens past query_start_loc[num_seqs]
-// are zeroed. seq_lens[i] must equal context_lens[i] + query length. Window and softcap: the layer's
-// (pagedrun/attention/backend.py); table entries below a sequence's first query's window are not read.
+// are zeroed. seq_lens[i] must equal context_lens[i] + query length. Window, softcap and sinks (nullptr
+// or float32 [num_heads]): the layer's (pagedrun/attention/backend.py); table entries below a
+// sequence's first query's window are not read.
 PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* query_start_loc,
                                      const int32_t* seq_lens, const int32_t* context_lens, int64_t num_seqs,
@@ -460,9 +478,9 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
                                      int64_t head_size, int64_t block_size, int64_t num_blocks,
                                      int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale,
                                      int32_t window, float softcap, int dtype, int num_threads, int kv_kind,
-                                     const float* k_aux, const float* v_aux) {
+                                     const float* k_aux, const float* v_aux, const float* sinks) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
-                 window, softcap};
+                 window, softcap, sinks};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0 || num_tokens < 0) return -6;
   num_threads = std::max(1, num_threads);
@@ -474,16 +492,17 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
 }
 
 // One query per sequence (query and out [num_seqs, num_heads, head_size]) over its seq_lens[i]
-// cached tokens: the last `window` of them when window > 0 (the table entries before those are not read).
+// cached tokens: the last `window` of them when window > 0 (the table entries before those are not read);
+// sinks as paged_attention_varlen's.
 PR_EXPORT int paged_attention_decode(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                                      int64_t block_size, int64_t num_blocks, int64_t table_stride,
                                      int64_t q_stride, int64_t o_stride, float scale, int32_t window, float softcap,
                                      int dtype, int num_threads, int kv_kind, const float* k_aux,
-                                     const float* v_aux) {
+                                     const float* v_aux, const float* sinks) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
-                 window, softcap};
+                 window, softcap, sinks};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0) return -6;
   num_threads = std::max(1, num_threads);
