@@ -30,11 +30,12 @@
 // (softcap_scores, or softmax_row32 on AMX).
 //
 // Attention sinks (GPT-OSS; sinks non-null, float32 [num_heads]): head h's sink is one more logit with
-// a zero value vector. It joins the denominator once, when a row's output is normalised: with the
-// row's final running max m and sum l, M = max(m, sink), out = acc e^(m - M) / (l e^(m - M) + e^(sink - M)),
-// which is the softmax over the keys and the sink together (HF's eager attention concatenates the
-// sink to the scores). Nothing in the chunk loops changes, so every path (decode, read alone, tiled,
-// AMX) takes it from the same few lines, and a call without sinks pays one test per row.
+// a zero value vector. It joins the denominator once, before a row's output is normalised: with the
+// row's final running max m and sum l, l += e^(sink - m) (add_sinks), so out = acc / (l + e^(sink - m)),
+// the softmax over the keys and the sink together (HF's eager attention concatenates the sink to the
+// scores). Nothing in the chunk loops changes, so every path (decode, read alone, tiled, AMX) takes
+// it from the same few lines; a call with sinks runs the Variant copy of the item loop (below), so the
+// one without window, softcap and sinks is the code without them.
 //
 // Return value: 0 on success, negative when an argument is out of range (the caller falls back to
 // torch or raises); nothing is written in that case.
@@ -113,10 +114,26 @@ struct Scratch {
   }
 };
 
+// Attention sinks: each of the item's rows (as attend_item numbers them) adds its head's sink to its
+// final softmax sum, l += exp(sink - m): the sink's term against the row's running max. A sink more
+// than 88.7 above it saturates exp_f32 (no inf: l stays finite and the row's output all but 0, as it
+// is in exact arithmetic); -inf adds exp(-87.3), about 1e-38. Rows with no key (l = 0) stay 0. Called
+// from the Variant copy of the item loop only, and out of line: the full-attention copy is the code
+// without sinks (with a test for them, bf16 decode ran 2% slower: docs/log/2026-11-28-attention-sinks.md).
+__attribute__((noinline)) void add_sinks(const Item& it, const Shape& sh, const float* m, float* l) {
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
+  for (int64_t h = it.kv0; h < it.kv1; ++h)
+    for (int64_t t = 0; t < it.ntok; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((h - it.kv0) * it.ntok + t) * group + g;
+        if (l[r] > 0.0f) l[r] += exp_f32(sh.sinks[h * group + g] - m[r]);
+      }
+}
+
 // Rows of an item: r = ((h - kv0) * ntok + t) * group + g is token tok0 + t, query head h * group + g.
 // tiles: this thread's AMX tiles are configured (run_items), and a prefill item runs on them.
-// Variant: the layer has a window or a softcap (sh.window, sh.softcap); false ignores both. Inlined into
-// run_items' loop, as g++ did by itself before there were two copies (out of line, f32 decode was slower).
+// Variant: the layer has a window, a softcap or sinks (sh.window, sh.softcap, sh.sinks); false ignores
+// them. Inlined into run_items' loop, as g++ did by itself before there were two copies (out of line, f32 decode was slower).
 template <typename T, typename KV, bool Variant>
 __attribute__((always_inline)) inline void attend_item(
     const Item& it, T* out, const T* query, const typename KV::E* key_cache, const typename KV::E* value_cache,
@@ -282,17 +299,13 @@ __attribute__((always_inline)) inline void attend_item(
     }
   }
 
+  if constexpr (Variant)
+    if (sh.sinks) add_sinks(it, sh, m, l);
   for (int64_t h = it.kv0; h < it.kv1; ++h)
     for (int64_t t = 0; t < it.ntok; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = ((h - it.kv0) * it.ntok + t) * group + g;
-        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        if (sh.sinks && l[r] > 0.0f) {
-          // The sink's term, both rescaled to the larger of the two maxima (l = 0: no key, out = 0).
-          const float sink = sh.sinks[h * group + g], top = sink > m[r] ? sink : m[r];
-          const float f = exp_f32(m[r] - top);
-          inv = f / (l[r] * f + exp_f32(sink - top));
-        }
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         T* dst = out + (it.tok0 + t) * sh.o_stride + (h * group + g) * hd;
         const float* ar = acc + r * hd;
         for (int64_t d = 0; d < hd; ++d) dst[d] = from_f32<T>(ar[d] * inv);
@@ -393,7 +406,7 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
   using E = typename KV::E;
   const auto* kc = static_cast<const E*>(key_cache_);
   const auto* vc = static_cast<const E*>(value_cache_);
-  if (sh.window > 0 || sh.softcap > 0.0f)
+  if (sh.window > 0 || sh.softcap > 0.0f || sh.sinks)
     run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   else
     run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
@@ -423,7 +436,7 @@ int decode(void* out_, const void* query_, const void* key_cache_, const void* v
   const auto* kc = static_cast<const E*>(key_cache_);
   const auto* vc = static_cast<const E*>(value_cache_);
   const int64_t max_rows = heads_per_item * (sh.num_heads / sh.num_kv_heads);
-  if (sh.window > 0 || sh.softcap > 0.0f)
+  if (sh.window > 0 || sh.softcap > 0.0f || sh.sinks)
     run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   else
     run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
