@@ -113,9 +113,10 @@ class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         # The layer's attention variant (pagedrun/attention/backend.py; 0 = off); the CPU layer runner
-        # reads the same two attributes.
+        # reads the same attributes.
         self.window = config.window_of(layer_idx)
         self.softcap = 0.0
+        self.sinks = None  # GPT-OSS: a float32 [num_heads] parameter of learned attention sinks
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -151,7 +152,7 @@ class LlamaAttention(DirectCall, nn.Module):
         # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
         key_cache, value_cache, *kv_scales = kv_cache
         out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, window=self.window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
