@@ -121,6 +121,14 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                    eos_token_id=2, pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    # GPT-OSS: sliding (window 8) and full layers alternating, YaRN, biases everywhere, sinks (made
+    # large by _perturb so that they change the attention), top-2 of 8 experts with the clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                     intermediate_size=32, sliding_window=8, swiglu_limit=0.3,
+                     rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=128,
+                                          rope_theta=150000.0))),
     # Qwen2: the layers from max_window_layers on slide.
     "qwen2_swa": ("Qwen2Config", "Qwen2ForCausalLM",
                   dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, rope_theta=1e6)),
@@ -178,6 +186,8 @@ def _perturb(model, config) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(offset + 0.2 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # GPT-OSS: logits comparable to the scores', some above them
+                p.copy_(1.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:

@@ -42,6 +42,11 @@ _GEMMA_DEFAULTS = {
 }
 _GEMMA3_DEFAULTS = {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                     "final_logit_softcapping": None, "attn_logit_softcapping": None}
+# transformers' GptOssConfig defaults, for the fields pagedrun reads that a config may leave out.
+_GPT_OSS_DEFAULTS = {"sliding_window": 128, "attention_bias": True, "rope_theta": 150000.0, "head_dim": 64,
+                     "rms_norm_eps": 1e-5}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # No size of a real model comes near this; a larger one is a broken config, refused before any
@@ -107,6 +112,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     qk_norm_whole: bool = False  # OLMoE: q_norm / k_norm over the whole projected q and k, not per head
     clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (0: off)
+    # GPT-OSS: a learned logit per head joins each softmax's denominator (self_attn.sinks)
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -191,6 +198,10 @@ class ModelConfig:
                 raise err("text_config", f"expected an object, got {echo(d.get('text_config'))}")
             d, prefix = d["text_config"], "text_config."
         gemma = arch in GEMMA_ARCHITECTURES
+        if arch == "GptOssForCausalLM":
+            d = {**_GPT_OSS_DEFAULTS, **d}
+            if d.get("rope_parameters") is None and d.get("rope_scaling") is None:
+                d["rope_parameters"] = dict(_GPT_OSS_ROPE)  # transformers' GptOssConfig fills it so
         if gemma:
             d = {**(_GEMMA_DEFAULTS if arch == "Gemma2ForCausalLM" else _GEMMA3_DEFAULTS), **d}
             if arch == "Gemma3ForConditionalGeneration" and "eos_token_id" in top:  # its own ids first
@@ -339,6 +350,7 @@ class ModelConfig:
             moe=moe,
             qk_norm_whole=arch == "OlmoeForCausalLM",
             clip_qkv=clip_qkv or 0.0,
+            attention_sinks=arch == "GptOssForCausalLM",
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -370,6 +382,8 @@ class ModelConfig:
             per_layer += q + kv if self.qk_norm_whole else 2 * hd
         if self.is_gemma:
             per_layer += 2 * h  # pre_feedforward_layernorm, post_feedforward_layernorm
+        if self.attention_sinks:
+            per_layer += self.num_attention_heads
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         layers = self.num_hidden_layers * per_layer
@@ -573,7 +587,7 @@ def _layer_types(d: dict[str, Any], arch: str, num_layers: int, sliding_window: 
             raise err("layer_types", f"expected a list of {num_layers} (num_hidden_layers) of "
                                      f"{' / '.join(map(repr, LAYER_TYPES))}, got {echo(given)}")
         return list(given)
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if arch in GEMMA_ARCHITECTURES:
         pattern = d.get("sliding_window_pattern", 6)

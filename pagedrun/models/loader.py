@@ -18,6 +18,7 @@ import torch
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
+from pagedrun.models.gpt_oss import GptOssForCausalLM
 from pagedrun.models.granite import GraniteForCausalLM
 from pagedrun.models.llama import LlamaForCausalLM
 from pagedrun.models.moe_models import MoEForCausalLM
@@ -25,7 +26,8 @@ from pagedrun.models.phi3 import Phi3ForCausalLM
 from pagedrun.models.shapes import check_config_matches_weights
 
 # The families with a class of their own beside Llama's and Gemma's.
-_MODEL_CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "GraniteForCausalLM": GraniteForCausalLM}
+_MODEL_CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "GraniteForCausalLM": GraniteForCausalLM,
+                  "GptOssForCausalLM": GptOssForCausalLM}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -109,8 +111,8 @@ def load_model(
     config = read_config(model_dir, max_model_len)
     files = safetensors_files(model_dir)
     check_config_matches_weights(config, files, model_dir)  # before allocating what config.json claims
-    model_class = MoEForCausalLM if config.moe else _MODEL_CLASSES.get(
-        config.architecture, GemmaForCausalLM if config.is_gemma else LlamaForCausalLM)
+    model_class = _MODEL_CLASSES.get(config.architecture, MoEForCausalLM if config.moe else
+                                     GemmaForCausalLM if config.is_gemma else LlamaForCausalLM)
     model = model_class(config, dtype=dtype, device=device)
     try:
         model.load_weights(iter_safetensors(files, config.text_tensor_name))

@@ -69,12 +69,12 @@ def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Ten
     return weights.gather(1, order), ids
 
 
-def swigluoai(gate_up: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS's activation on [M, 2I] (gate then up): (up + 1) * gate * sigmoid(1.702 * gate), gate
-    clamped to at most 7 and up to [-7, 7] (HF GptOssExperts, vLLM SwigluOAIAndMul)."""
+def swigluoai(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """GPT-OSS's activation on [M, 2I] (gate then up): (up + 1) * gate * sigmoid(alpha * gate), gate
+    clamped to at most limit and up to [-limit, limit] (HF GptOssExperts, vLLM SwigluOAIAndMul)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class FusedMoE(DirectCall, nn.Module):
@@ -216,7 +216,8 @@ class FusedMoE(DirectCall, nn.Module):
                 continue
             w13, b13, w2, b2 = self.expert_weights(e)
             gate_up = F.linear(xs[start:start + n], w13, b13)
-            act = swigluoai(gate_up) if self.cfg.activation == "swigluoai" else ops.silu_and_mul(gate_up)
+            act = (swigluoai(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit) if self.cfg.activation == "swigluoai"
+                   else ops.silu_and_mul(gate_up))
             ys[start:start + n] = F.linear(act, w2, b2)
             start += n
         y = torch.empty_like(ys)

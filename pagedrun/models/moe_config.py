@@ -7,8 +7,8 @@ modeling files, checked op by op; docs/design/moe.md):
 - Qwen3-MoE, Qwen2-MoE, OLMoE: softmax (float32) -> top-k -> renormalise if norm_topk_prob -> the
   weights rounded to the router logits' dtype (the model's) before they scale the experts' outputs;
 - Mixtral: the same, always renormalised, and the weights stay float32 (the product is rounded);
-- GraniteMoE and GPT-OSS (not parsed yet; the block has their options): top-k on the logits, then
-  softmax over the k.
+- GPT-OSS: top-k on the logits (the router has a bias), then softmax over the k; experts with
+  biases and the clamped SwiGLU ("swigluoai"); GraniteMoE (not parsed yet) routes the same way.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any
 
 from pagedrun.errors import echo
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+                     "GptOssForCausalLM")
 SCORING = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -35,6 +36,8 @@ class MoEConfig:
     router_bias: bool = False  # GPT-OSS
     expert_bias: bool = False  # GPT-OSS: biases on w13 and w2
     activation: str = "silu"  # or "swigluoai" (GPT-OSS)
+    swiglu_alpha: float = 1.702  # swigluoai: (up + 1) * gate * sigmoid(alpha * gate) ...
+    swiglu_limit: float = 7.0  # ... with gate clamped to at most limit, up to [-limit, limit]
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     shared_expert_gate: bool = False  # its output scaled by sigmoid(shared_expert_gate(x))
 
@@ -89,6 +92,15 @@ def parse_moe(d: dict[str, Any], arch: str, num_layers: int, intermediate_size: 
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     else:  # Mixtral, OLMoE: every layer, experts of intermediate_size
         inter, sparse = intermediate_size, (True,) * num_layers
+    if arch == "GptOssForCausalLM":
+        alpha, limit = (d.get(k, default) for k, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)))
+        for key, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise err(key, f"expected a positive number, got {echo(value)}")
+        return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate_size,
+                         sparse_layers=(True,) * num_layers, scoring="topk_softmax", router_bias=True,
+                         expert_bias=True, activation="swigluoai", swiglu_alpha=float(alpha),
+                         swiglu_limit=float(limit))
     norm = d.get("norm_topk_prob", arch == "MixtralForCausalLM")
     if arch == "MixtralForCausalLM":
         norm = True  # HF's MixtralTopKRouter always renormalises

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
+from pagedrun.models import mxfp4
 from pagedrun.models.config import ModelConfig
 
 _LAYER_Q = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|qkv_proj)\.weight$")
@@ -35,7 +36,11 @@ def _witnesses(cfg: ModelConfig) -> list[tuple[str, ...]]:
     moe = cfg.moe
     if moe is None or not moe.sparse_layers[0]:
         out.append(("model.layers.0.mlp.gate_proj.weight",))
-    if moe is not None and any(moe.sparse_layers):
+    if cfg.architecture == "GptOssForCausalLM":  # its own names and layout (models/gpt_oss.py)
+        prefix = _moe_prefix(cfg, 0)
+        out.append((f"{prefix}.router.weight",))
+        out.append((f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.gate_up_proj_blocks"))
+    elif moe is not None and any(moe.sparse_layers):
         prefix = _moe_prefix(cfg, moe.sparse_layers.index(True))
         gate = "w1" if cfg.architecture == "MixtralForCausalLM" else "gate_proj"
         out.append((f"{prefix}.gate.weight",))
@@ -84,8 +89,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if moe is not None and moe.sparse_layers[0]:
         for k in ("gate_proj", "up_proj", "down_proj"):
             layer.pop(f"mlp.{k}.weight")
+    if cfg.attention_sinks:
+        layer["self_attn.sinks"] = (cfg.num_attention_heads,)
     out.update({f"model.layers.0.{k}": s for k, s in layer.items()})
-    if moe is not None and any(moe.sparse_layers):
+    if cfg.architecture == "GptOssForCausalLM":
+        prefix, e, i = _moe_prefix(cfg, 0), moe.num_experts, moe.intermediate_size
+        g_in, g_out = -(-h // mxfp4.BLOCK), -(-i // mxfp4.BLOCK)  # MXFP4 groups of 32 along the input
+        out.update({f"{prefix}.router.weight": (e, h), f"{prefix}.router.bias": (e,),
+                    f"{prefix}.experts.gate_up_proj": (e, h, 2 * i), f"{prefix}.experts.gate_up_proj_bias": (e, 2 * i),
+                    f"{prefix}.experts.down_proj": (e, i, h), f"{prefix}.experts.down_proj_bias": (e, h),
+                    f"{prefix}.experts.gate_up_proj_blocks": (e, 2 * i, g_in, mxfp4.BLOCK // 2),
+                    f"{prefix}.experts.gate_up_proj_scales": (e, 2 * i, g_in),
+                    f"{prefix}.experts.down_proj_blocks": (e, h, g_out, mxfp4.BLOCK // 2),
+                    f"{prefix}.experts.down_proj_scales": (e, h, g_out)})
+    elif moe is not None and any(moe.sparse_layers):
         prefix, e, i = _moe_prefix(cfg, moe.sparse_layers.index(True)), moe.num_experts, moe.intermediate_size
         names = ("w1", "w3", "w2") if cfg.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
         out.update({f"{prefix}.gate.weight": (e, h), f"{prefix}.experts.0.{names[0]}.weight": (i, h),
