@@ -74,6 +74,12 @@ class LocalRun:
         device = self.llm.engine.worker.device
         return machine_info(str(torch.device(device).type), torch.get_num_threads())
 
+    def model_info(self) -> dict:
+        """The architecture and its parameter counts (an MoE token computes with the active ones)."""
+        cfg = self.llm.engine.model_config
+        return {"architecture": cfg.architecture, "parameters": cfg.num_parameters(),
+                "active_parameters": cfg.active_parameters()}
+
     def plot(self, path: Path, output: Path, inputs: tuple[Path, ...]) -> None:
         from pagedrun.report.plot import plot_blocks
 

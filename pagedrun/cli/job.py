@@ -321,7 +321,8 @@ def run_metadata(recipe, executor, started_at: str | None) -> dict:
         ours = version("pagedrun")
     except PackageNotFoundError:  # run from a source tree that was never installed
         ours = None
-    return {"model": model_name(recipe), "pagedrun_version": ours, "machine": executor.machine(),
+    info = executor.model_info() if hasattr(executor, "model_info") else {}
+    return {"model": model_name(recipe), **info, "pagedrun_version": ours, "machine": executor.machine(),
             "recipe": recipe.to_dict(), "started_at": started_at, "ended_at": timestamp()}
 
 

@@ -174,6 +174,9 @@ _PROVENANCE: dict[str, tuple[str, str]] = {
     "run": (M, "what ran: the model (its id or folder), pagedrun's version, the device, the recipe as "
                "resolved (every default filled in), and the UTC times the run started and ended"),
     "run.recipe": (M, "the recipe as resolved: every key, defaults filled in"),
+    "run.parameters": (D, "the model's parameters, from config.json's sizes (tied embeddings once; every expert)"),
+    "run.active_parameters": (D, "the parameters one token computes with: an MoE block's top-k experts only "
+                                 "(equal to parameters for a dense model)"),
     "interrupted": (M, "the run was stopped by a signal"),
     "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/build/cpu.py) loaded: on, or off and why; "
                        "null on a GPU"),

@@ -136,3 +136,24 @@ def test_loader_errors(gpt_oss_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PagedrunError, match=r"config\.json: swiglu_limit: expected a positive number"):
         read_config(bad)
+
+
+def test_report_gives_active_and_total_parameters(gpt_oss_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from pagedrun.cli.app import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}) + "\n")
+    res = CliRunner().invoke(app, ["generate", str(prompts), "-o", str(tmp_path / "o.jsonl"), "--model",
+                                   str(gpt_oss_dir), "--dtype", "float32", "--set", "cache.num_blocks=16"])
+    assert res.exit_code == 0, res.output
+    run = json.loads((tmp_path / "o.jsonl.report.json").read_text())["run"]
+    cfg = read_config(gpt_oss_dir)
+    assert run["parameters"] == cfg.num_parameters() and run["architecture"] == "GptOssForCausalLM"
+    # 2 of 8 experts a token: 6 experts' worth of each layer's w13/w2 and biases are not computed.
+    moe = cfg.moe
+    idle = cfg.num_hidden_layers * 6 * (3 * cfg.hidden_size * moe.intermediate_size + 2 * moe.intermediate_size
+                                        + cfg.hidden_size)
+    assert run["active_parameters"] == run["parameters"] - idle
+    assert "active" in res.output  # the start-up line says so too

@@ -163,3 +163,4 @@ def test_generate_cli_writes_report_and_plot(model_dir, tmp_path):
     assert run["recipe"]["cache"]["block_size"] == 8 and run["recipe"]["model"]["max_model_len"] == 64
     assert run["started_at"] <= run["ended_at"] and run["ended_at"].endswith("Z")
     assert rep["provenance"]["run"].startswith("measured: ")
+    assert run["parameters"] == run["active_parameters"] > 0 and run["architecture"] == "LlamaForCausalLM"
