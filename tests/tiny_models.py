@@ -16,7 +16,7 @@ DENSE_FAMILIES = ("phi3", "granite")
 # and their own block (Gemma): tests/models/test_gemma.py.
 WINDOW_FAMILIES = ("gemma3", "gemma3_mm", "gemma2", "mistral_swa", "qwen2_swa")
 # Mixture-of-experts families (tests/models/test_moe.py): 8 experts, top-2 or top-3.
-MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "olmoe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "olmoe", "mixtral", "granite_moe")
 
 _BASE: dict[str, Any] = dict(
     vocab_size=640,
@@ -121,6 +121,11 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                    eos_token_id=2, pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    # GraniteMoE: Granite's four multipliers away from 1, top-2 of 8 experts stacked on disk.
+    "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                    dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                         embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.3,
+                         logits_scaling=2.5, rope_theta=1e4)),
     # GPT-OSS: sliding (window 8) and full layers alternating, YaRN, biases everywhere, sinks (made
     # large by _perturb so that they change the attention), top-2 of 8 experts with the clamped SwiGLU.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",

@@ -246,12 +246,12 @@ class ModelConfig:
             attention_bias, o_proj_bias = bool(d.get("qkv_bias", True)), False
         moe = parse_moe(d, arch, num_layers, req("intermediate_size"), err) if arch in MOE_ARCHITECTURES else None
         clip_qkv = positive("clip_qkv", None) if arch == "OlmoeForCausalLM" else None
-        if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
+        if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):  # (GraniteMoE: no dense MLP)
             mlp_bias = bool(d.get("mlp_bias", False))
         else:
             mlp_bias = False
         granite: dict[str, Any] = {}
-        if arch == "GraniteForCausalLM":
+        if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
             for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
                 # transformers' GraniteConfig defaults: 1.0 each (attention_multiplier too, not 1/sqrt(d))
                 value = _number(d.get(name, 1.0), name, err)
@@ -270,7 +270,7 @@ class ModelConfig:
             raise err("sliding_window", f"expected a positive integer or null, got {echo(sliding_window)}")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
             sliding_window = None  # present in every Qwen config but switched off
-        if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
+        if arch in ("LlamaForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM"):
             sliding_window = None
         layer_types = _layer_types(d, arch, num_layers, sliding_window, err)
         if sliding_window is None and gemma and "sliding_attention" in layer_types:

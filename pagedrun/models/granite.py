@@ -11,9 +11,14 @@ Applied explicitly, in HF's op order, so that greedy tokens equal HF's; folding 
 o_proj / down_proj / the embedding at load would not be bit-identical, and the embedding cannot be
 scaled where it is also the (tied) LM head. The CPU layer runner has no op for the residual
 multiplier: models with one other than 1 run the Python loop (layer_runner.py declines them).
-GraniteMoE is another family (its MoE block), not this file's.
+GraniteMoE (GraniteMoeForCausalLM, Granite 3.x 1B-A400M and 3B-A800M) is the same with a mixture of
+experts for MLP (models/moe.py): top-k on the router's logits, softmax over the k; on disk the
+experts are stacked, `block_sparse_moe.input_linear.weight` [E, 2I, H] (gate rows, then up rows)
+and `output_linear.weight` [E, H, I], the router `block_sparse_moe.router.layer.weight` [E, H].
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -23,15 +28,18 @@ from pagedrun.models.llama import (
     Linear,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaModel,
     RMSNorm,
     VocabEmbedding,
 )
+from pagedrun.models.moe import FusedMoE
+from pagedrun.models.moe_models import MoEForCausalLM
 from pagedrun.models.rope import RotaryEmbedding
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int) -> None:
-        super().__init__(config, dtype, layer_idx)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int, **blocks) -> None:
+        super().__init__(config, dtype, layer_idx, **blocks)
         self.self_attn.scale = config.attention_multiplier  # read by the backend and the layer runner
         self.residual_multiplier = config.residual_multiplier
 
@@ -83,3 +91,42 @@ class GraniteForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling
+
+
+class GraniteMoeForCausalLM(MoEForCausalLM):
+    """MoEForCausalLM's experts and loading, Granite's layers and scalars."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        nn.Module.__init__(self)  # not MoEForCausalLM's: that builds Llama layers
+        self.config = config
+        self.dtype = dtype
+        with torch.device(device):
+            self.model = LlamaModel(config, dtype, lambda i: GraniteDecoderLayer(config, dtype, i,
+                                                                                 mlp=FusedMoE(config, dtype)))
+            self.lm_head = (None if config.tie_word_embeddings
+                            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
+        self.rotary_emb = RotaryEmbedding(config).to(device)
+        self.layer_runner = None  # LayerRunner.for_model declines MoE layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) * self.config.embedding_multiplier
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) / self.config.logits_scaling
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """MoEForCausalLM's, GraniteMoE's names first mapped onto its stacked ones (same layouts)."""
+
+        def renamed():
+            for name, tensor in weights:
+                for old, new in _GRANITE_MOE_NAMES:
+                    name = name.replace(old, new)
+                yield name, tensor
+
+        super().load_weights(renamed())
+
+
+_GRANITE_MOE_NAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
+                      (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                      (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"))

@@ -19,7 +19,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
 from pagedrun.models.gpt_oss import GptOssForCausalLM
-from pagedrun.models.granite import GraniteForCausalLM
+from pagedrun.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from pagedrun.models.llama import LlamaForCausalLM
 from pagedrun.models.moe_models import MoEForCausalLM
 from pagedrun.models.phi3 import Phi3ForCausalLM
@@ -27,7 +27,7 @@ from pagedrun.models.shapes import check_config_matches_weights
 
 # The families with a class of their own beside Llama's and Gemma's.
 _MODEL_CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "GraniteForCausalLM": GraniteForCausalLM,
-                  "GptOssForCausalLM": GptOssForCausalLM}
+                  "GptOssForCausalLM": GptOssForCausalLM, "GraniteMoeForCausalLM": GraniteMoeForCausalLM}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

@@ -8,7 +8,7 @@ modeling files, checked op by op; docs/design/moe.md):
   weights rounded to the router logits' dtype (the model's) before they scale the experts' outputs;
 - Mixtral: the same, always renormalised, and the weights stay float32 (the product is rounded);
 - GPT-OSS: top-k on the logits (the router has a bias), then softmax over the k; experts with
-  biases and the clamped SwiGLU ("swigluoai"); GraniteMoE (not parsed yet) routes the same way.
+  biases and the clamped SwiGLU ("swigluoai"); GraniteMoE routes the same way (no biases, SiLU).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 from pagedrun.errors import echo
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                     "GptOssForCausalLM")
+                     "GptOssForCausalLM", "GraniteMoeForCausalLM")
 SCORING = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -101,6 +101,9 @@ def parse_moe(d: dict[str, Any], arch: str, num_layers: int, intermediate_size: 
                          sparse_layers=(True,) * num_layers, scoring="topk_softmax", router_bias=True,
                          expert_bias=True, activation="swigluoai", swiglu_alpha=float(alpha),
                          swiglu_limit=float(limit))
+    if arch == "GraniteMoeForCausalLM":
+        return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate_size,
+                         sparse_layers=(True,) * num_layers, scoring="topk_softmax")
     norm = d.get("norm_topk_prob", arch == "MixtralForCausalLM")
     if arch == "MixtralForCausalLM":
         norm = True  # HF's MixtralTopKRouter always renormalises

@@ -40,6 +40,9 @@ def _witnesses(cfg: ModelConfig) -> list[tuple[str, ...]]:
         prefix = _moe_prefix(cfg, 0)
         out.append((f"{prefix}.router.weight",))
         out.append((f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.gate_up_proj_blocks"))
+    elif cfg.architecture == "GraniteMoeForCausalLM":
+        prefix = _moe_prefix(cfg, 0)
+        out += [(f"{prefix}.router.layer.weight",), (f"{prefix}.input_linear.weight",)]
     elif moe is not None and any(moe.sparse_layers):
         prefix = _moe_prefix(cfg, moe.sparse_layers.index(True))
         gate = "w1" if cfg.architecture == "MixtralForCausalLM" else "gate_proj"
@@ -49,7 +52,7 @@ def _witnesses(cfg: ModelConfig) -> list[tuple[str, ...]]:
 
 
 def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
-    block = "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+    block = "block_sparse_moe" if cfg.architecture in ("MixtralForCausalLM", "GraniteMoeForCausalLM") else "mlp"
     return f"model.layers.{layer}.{block}"
 
 
@@ -102,6 +105,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     f"{prefix}.experts.gate_up_proj_scales": (e, 2 * i, g_in),
                     f"{prefix}.experts.down_proj_blocks": (e, h, g_out, mxfp4.BLOCK // 2),
                     f"{prefix}.experts.down_proj_scales": (e, h, g_out)})
+    elif cfg.architecture == "GraniteMoeForCausalLM":
+        prefix, e, i = _moe_prefix(cfg, 0), moe.num_experts, moe.intermediate_size
+        out.update({f"{prefix}.router.layer.weight": (e, h), f"{prefix}.input_linear.weight": (e, 2 * i, h),
+                    f"{prefix}.output_linear.weight": (e, h, i)})
     elif moe is not None and any(moe.sparse_layers):
         prefix, e, i = _moe_prefix(cfg, moe.sparse_layers.index(True)), moe.num_experts, moe.intermediate_size
         names = ("w1", "w3", "w2") if cfg.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")

@@ -83,8 +83,9 @@ def test_block_matches_hf_block(moe_dirs, family):
     ours, hf_block, config = _block_pair(moe_dirs[family])
     torch.manual_seed(0)
     x = torch.randn(37, config.hidden_size)
-    logits = torch.nn.functional.linear(x, hf_block.gate.weight)
-    _, hf_weights, hf_ids = hf_block.gate(x)
+    router = hf_block.router if family == "granite_moe" else hf_block.gate
+    logits = torch.nn.functional.linear(x, router.weight)
+    _, hf_weights, hf_ids = router(x)
     weights, ids = route(logits, config.moe)
     order = hf_ids.sort(dim=1)
     assert torch.equal(ids, order.values)
