@@ -407,3 +407,42 @@ def test_bf16_model_first_tokens_match_hf(moe_dirs, family):
             assert o.outputs[0].token_ids[0] == int(logits.argmax())
             checked += 1
     assert checked >= 2
+
+
+@pytest.mark.slow
+def test_smollm2_upcycled_into_mixtral_matches_hf(default_model, tmp_path):
+    """A real-scale MoE: SmolLM2's weights upcycled into a 4-expert top-2 Mixtral (each expert the
+    MLP times 1 + 0.05 N(0, 1), a 0.1 N(0, 1) router: /work/shared's MODEL-FAMILIES recipe, seed 0).
+    Greedy tokens through the engine equal HF's in float32."""
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "mixtral-from-smollm2"
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (default_model / name).is_file():
+            shutil.copy(default_model / name, dst / name)
+    cfg = json.loads((default_model / "config.json").read_text())
+    cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+               num_experts_per_tok=2, sliding_window=None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(default_model / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, v in tensors.items():
+        part = next((p for p in ("gate_proj", "up_proj", "down_proj") if f".mlp.{p}." in name), None)
+        if part is None:
+            out[name] = v
+            continue
+        w = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[part]
+        prefix = name.split(".mlp.")[0]
+        for e in range(4):
+            out[f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight"] = (
+                v * (1 + 0.05 * torch.randn(v.shape, generator=g))).contiguous()
+    for i in range(cfg["num_hidden_layers"]):
+        out[f"model.layers.{i}.block_sparse_moe.gate.weight"] = 0.1 * torch.randn(4, cfg["hidden_size"], generator=g)
+    save_file(out, dst / "model.safetensors")
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 30, 2114, 253, 1142, 3209, 563]]
+    got, _ = _generate(dst, prompts, "cache.num_blocks=64", "model.max_model_len=64")
+    want = hf_greedy_cached(dst, prompts, MAX_NEW)[0]
+    assert [g[0] for g in got] == want
+    assert want != hf_greedy_cached(default_model, prompts, MAX_NEW)[0]  # the experts and router matter
