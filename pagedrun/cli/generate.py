@@ -19,8 +19,14 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
                  ray_address: str | None = None, replicas: int | None = None,
                  log_interval_s: float | None = None) -> int:
+    from pagedrun.models.model_defaults import apply_model_defaults
+
     recipe = load_recipe(recipe_path, overrides)
-    if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
+    on_ray = ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None
+    # Before the job's fingerprint: the defaults the model contributes (generation_config.json,
+    # dtype: auto) are part of what the job is. Ray's replicas resolve dtype: auto on their own devices.
+    recipe = apply_model_defaults(recipe, resolve_dtype=not on_ray)
+    if on_ray:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
         from pagedrun.cli.ray import RayRun
 
@@ -88,11 +94,17 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     e = llm.engine
     m = e.memory
     cfg = e.model_config
+    dtype = str(e.worker.dtype).removeprefix("torch.")
+    defaults = getattr(llm.recipe, "model_defaults", None)
+    if defaults is not None and defaults.dtype_note:
+        dtype = f"{dtype}, dtype {defaults.dtype_note}"
     console.print(
         f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
-        f"{e.recipe.model.dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
+        f"{dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )
+    if defaults is not None:
+        console.print(defaults.generation_line(), highlight=False, markup=False, soft_wrap=True)
     from pagedrun.report.report import cpu_kernels_status
 
     kernels = cpu_kernels_status(e)

@@ -53,7 +53,7 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
                                      engine.memory.block_size, engine.max_model_len) for r in requests]
         fit = {"path": str(prompts), "num_invalid": len(invalid), **requests_fit(blocks, engine.memory.num_gpu_blocks).__dict__}
     model = {"path": str(engine.worker.model_dir), "architecture": engine.model_config.architecture,
-             "dtype": recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
+             "dtype": llm.recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
              "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim}
     data = plan_json(engine.memory, recipe, fit, model=model)
     data["derived"]["kv_cache_dtype"] = engine.worker.kv_spec.name
@@ -72,9 +72,8 @@ def _batch_job(prompts: Path, recipe):
     import hashlib
 
     from pagedrun.cli.job import model_name
-    from pagedrun.io.openai_batch import BatchJob
-
     from pagedrun.io.input_files import read_input
+    from pagedrun.io.openai_batch import BatchJob
 
     sha = hashlib.sha256(read_input(Path(prompts), "prompts")).hexdigest()  # of the text (a .gz decompressed)
     return BatchJob(input_sha256=sha, model=model_name(recipe), created=0)

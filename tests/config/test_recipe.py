@@ -27,7 +27,8 @@ def error_of(path, overrides=()) -> str:
 
 def test_builtin_defaults():
     r = load_recipe(None)
-    assert r.model.path == "default" and r.model.dtype == "float32" and r.model.max_model_len is None
+    assert r.model.path == "default" and r.model.dtype == "auto" and r.model.max_model_len is None
+    assert r.model.generation_config == "auto"
     assert (r.model.device, r.model.attention_backend, r.model.threads) == ("auto", "auto", None)
     c = r.cache
     assert (c.block_size, c.kv_cache_memory, c.gpu_memory_utilization, c.num_blocks) == (16, 0.25, 0.9, None)
@@ -92,7 +93,7 @@ distributed: {address: auto, replicas: 2}
     ("cache:\n  num_blocks: 0\n", "recipe.yaml: cache.num_blocks: must be an integer >= 1 or null, got 0"),
     ("cache:\n  swap_space: -1\n", "recipe.yaml: cache.swap_space: must be a number of GiB >= 0, got -1"),
     ("cache:\n  enable_prefix_caching: 1\n", "recipe.yaml: cache.enable_prefix_caching: must be true or false, got 1"),
-    ("model:\n  dtype: int8\n", "recipe.yaml: model.dtype: must be one of float32, bfloat16, float16, got 'int8'"),
+    ("model:\n  dtype: int8\n", "recipe.yaml: model.dtype: must be one of auto, float32, bfloat16, float16, got 'int8'"),
     ("model:\n  max_model_len: 8\n", "recipe.yaml: model.max_model_len: must be an integer >= 16 or null, got 8"),
     ("model:\n  device: tpu\n", "recipe.yaml: model.device: must be one of auto, cpu, cuda, got 'tpu'"),
     ("model:\n  attention_backend: flash\n",
