@@ -159,6 +159,9 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "fsync_interval_s": float_check("a number of seconds >= 0", lambda x: x >= 0),
         "report": bool_check,
     },
+    "structured_outputs": {
+        "disable_additional_properties": bool_check,
+    },
     "distributed": {
         "address": optional(_non_empty_str),
         "replicas": optional(int_check(lo=1, cap=MAX_REPLICAS)),

@@ -123,6 +123,15 @@ class OutputConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    # vLLM's StructuredOutputsConfig key, on by default as xgrammar's strict mode is: a JSON Schema
+    # object allows no property it does not name unless it says so, an array no item past its
+    # prefixItems (structured/strict.py); false: JSON Schema's own rules. A request's
+    # structured_outputs may set it for itself.
+    disable_additional_properties: bool = True
+
+
+@dataclass
 class DistributedConfig:
     address: str | None = None  # None, "auto" or a Ray address
     replicas: int | None = None
@@ -137,6 +146,7 @@ class Recipe:
     output: OutputConfig = field(default_factory=OutputConfig)
     seed: int = 0  # seeds the global sampler RNG for requests without their own seed
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     source: Path | None = field(default=None, compare=False)  # the file it came from, if any
     # The sampling keys the recipe, --set or an engine argument set (null: left to the model's
     # generation config); None for a Recipe built in Python: its fields other than the defaults.
@@ -171,6 +181,10 @@ class Recipe:
         del d["distributed"]
         del d["cache"]["hybrid_kv"]
         del d["model"]["generation_config"]
+        if d["structured_outputs"] == asdict(StructuredOutputsConfig()):
+            # The default, strict, is left out: a job started before the section existed resumes
+            # (its constrained requests, if any, run strict from then on: docs/guide/structured-outputs.md).
+            del d["structured_outputs"]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -178,6 +192,7 @@ class Recipe:
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "sampling": SamplingParams, "output": OutputConfig, "distributed": DistributedConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 _SCALARS = ("seed",)
 _TOP_KEYS = (*_SECTIONS, *_SCALARS)
@@ -253,6 +268,7 @@ class _Builder:
             output=OutputConfig(**v["output"]),
             seed=v["seed"],
             distributed=DistributedConfig(**v["distributed"]),
+            structured_outputs=StructuredOutputsConfig(**v["structured_outputs"]),
             source=source,
             explicit_sampling=frozenset(self.explicit_sampling),
         )

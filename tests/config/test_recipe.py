@@ -273,6 +273,7 @@ def test_fingerprint_is_stable():
 @pytest.mark.parametrize("item", [
     "cache.block_size=32", "sampling.temperature=0.5", "seed=1", "model.dtype=bfloat16",
     "scheduler.max_num_seqs=8", "cache.enable_prefix_caching=false", "sampling.stop=[x]",
+    "structured_outputs.disable_additional_properties=false",
 ])
 def test_fingerprint_changes_with_settings(item):
     assert load_recipe(None, [item]).fingerprint() != load_recipe(None).fingerprint()
@@ -287,5 +288,6 @@ def test_fingerprint_ignores_output_settings():
 def test_to_dict_is_plain_data():
     import json
     d = load_recipe(None).to_dict()
-    assert set(d) == {"model", "cache", "scheduler", "sampling", "output", "seed", "distributed"}
+    assert set(d) == {"model", "cache", "scheduler", "sampling", "output", "seed", "distributed",
+                      "structured_outputs"}
     json.dumps(d)  # serialisable as is
