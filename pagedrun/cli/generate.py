@@ -97,7 +97,7 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     dtype = str(e.worker.dtype).removeprefix("torch.")
     defaults = getattr(llm.recipe, "model_defaults", None)
     if defaults is not None and defaults.dtype_note:
-        dtype = f"{dtype}, dtype {defaults.dtype_note}"
+        dtype = f"{dtype} (dtype {defaults.dtype_note})"
     console.print(
         f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
         f"{dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",

@@ -148,3 +148,28 @@ def test_an_llm_applies_them_and_requests_default_to_them(tiny_model, tmp_path):
     assert (req.sampling.temperature, req.sampling.top_p) == (0.6, 0.9)
     [req] = llm.make_requests([[5, 6, 7]], SamplingParams(max_tokens=4))  # given params are used as given
     assert req.sampling.temperature == 0.0
+
+
+def test_generate_says_what_applies_and_a_changed_file_is_another_job(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from pagedrun.cli.app import app
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), model)
+    gen = model / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "bos_token_id": 1}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 3}) + "\n")
+    out = tmp_path / "o.jsonl"
+    args = ["generate", str(prompts), "--model", str(model), "-o", str(out), "--max-model-len", "64"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert f"generation config: temperature=0.6, top_p=0.95 from {gen}" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, args)  # the same defaults: a resume with nothing to do
+    assert res.exit_code == 0 and "nothing to do" in res.output, res.output
+    gen.write_text(json.dumps({"temperature": 0.7}))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "different recipe" in res.output, res.output
+    res = CliRunner().invoke(app, [*args, "--generation-config", "vllm", "--overwrite"])
+    assert res.exit_code == 0 and "generation config: vllm" in res.output, res.output
