@@ -11,7 +11,12 @@ import pytest
 from pagedrun.config.recipe import load_recipe
 from pagedrun.errors import PagedrunError
 from pagedrun.models import model_defaults
-from pagedrun.models.model_defaults import apply_model_defaults, checkpoint_dtype, resolve_auto_dtype
+from pagedrun.models.model_defaults import (
+    apply_model_defaults,
+    checkpoint_dtype,
+    read_generation_config,
+    resolve_auto_dtype,
+)
 from pagedrun.sampling_params import SamplingParams, merged
 
 # The default recipe's fingerprint before generation_config and dtype: auto existed (main at
@@ -173,3 +178,17 @@ def test_generate_says_what_applies_and_a_changed_file_is_another_job(tiny_model
     assert res.exit_code == 2 and "different recipe" in res.output, res.output
     res = CliRunner().invoke(app, [*args, "--generation-config", "vllm", "--overwrite"])
     assert res.exit_code == 0 and "generation config: vllm" in res.output, res.output
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_the_suites_models_set_no_sampling_defaults(tiny_model, family):
+    """The tiny checkpoints' generation_config.json (transformers' own) holds token ids only: every
+    test that expects greedy outputs still gets them under generation_config: auto."""
+    assert resolved(tiny_model(family)).model_defaults.applied == {}
+
+
+def test_the_default_model_sets_no_sampling_defaults(default_model):
+    """Its generation_config.json (written by the GGUF conversion) holds token ids only: the README's
+    first command and the default-model tests stay greedy."""
+    assert read_generation_config(default_model / "generation_config.json") == {}
+    assert checkpoint_dtype(default_model) == "float32"
