@@ -17,7 +17,7 @@ import jsonschema
 from pagedrun.llm import LLM
 from pagedrun.sampling_params import SamplingParams
 
-S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 
 
 def obj(required=None, **props):
@@ -25,23 +25,23 @@ def obj(required=None, **props):
 
 
 CASES = [  # (name, schema, the text to extract from)
-    ("person", obj(name=S, age=I, city=S), "Maria Lopez, 34, moved to Madrid last spring."),
-    ("product", obj(name=S, price=N, currency=S, in_stock=B),
+    ("person", obj(name=STR, age=INT, city=STR), "Maria Lopez, 34, moved to Madrid last spring."),
+    ("product", obj(name=STR, price=NUM, currency=STR, in_stock=BOOL),
      "The Acme X200 kettle costs 49.99 euros and is available now."),
-    ("event", obj(title=S, date=S, location=S), "PyCon Italia takes place on 2025-05-28 in Florence."),
-    ("sentiment", obj(label={"enum": ["positive", "negative", "neutral"]}, confidence=N),
+    ("event", obj(title=STR, date=STR, location=STR), "PyCon Italia takes place on 2025-05-28 in Florence."),
+    ("sentiment", obj(label={"enum": ["positive", "negative", "neutral"]}, confidence=NUM),
      "I absolutely loved the new album, best thing this year."),
-    ("address", obj(street=S, city=S, postcode=S, country=S),
+    ("address", obj(street=STR, city=STR, postcode=STR, country=STR),
      "Send it to 221B Baker Street, London NW1 6XE, United Kingdom."),
-    ("book", obj(title=S, author=S, year=I), "'Dune' was written by Frank Herbert and published in 1965."),
-    ("contact", obj(["name"], name=S, email=S, phone=S), "Reach John Carter at john@carter.io or +1 555 0100."),
-    ("order", obj(id=S, items={"type": "array", "items": obj(sku=S, qty=I)}),
+    ("book", obj(title=STR, author=STR, year=INT), "'Dune' was written by Frank Herbert and published in 1965."),
+    ("contact", obj(["name"], name=STR, email=STR, phone=STR), "Reach John Carter at john@carter.io or +1 555 0100."),
+    ("order", obj(id=STR, items={"type": "array", "items": obj(sku=STR, qty=INT)}),
      "Order A-17: two units of SKU-4 and one of SKU-9."),
-    ("company", obj(name=S, founded=I, headquarters=obj(city=S, country=S)),
+    ("company", obj(name=STR, founded=INT, headquarters=obj(city=STR, country=STR)),
      "Nokia was founded in 1865 and is based in Espoo, Finland."),
-    ("weather", obj(city=S, temperature_c=N, condition=S), "It is 18.5 degrees and cloudy in Lyon today."),
-    ("point", {"type": "array", "prefixItems": [N, N]}, "The station sits at latitude 46.2, longitude 6.1."),
-    ("movie", obj(title=S, director=S, year=I, genres={"type": "array", "items": S}),
+    ("weather", obj(city=STR, temperature_c=NUM, condition=STR), "It is 18.5 degrees and cloudy in Lyon today."),
+    ("point", {"type": "array", "prefixItems": [NUM, NUM]}, "The station sits at latitude 46.2, longitude 6.1."),
+    ("movie", obj(title=STR, director=STR, year=INT, genres={"type": "array", "items": STR}),
      "Christopher Nolan directed Inception (2010), a science-fiction thriller."),
 ]
 

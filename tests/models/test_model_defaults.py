@@ -51,7 +51,8 @@ def test_generation_config_sets_the_defaults_the_recipe_leaves_unset(tmp_path):
     assert r.model_defaults.applied == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
                                         "repetition_penalty": 1.1, "max_tokens": 100}
     line = r.model_defaults.generation_line()
-    assert line.startswith("generation config: temperature=0.6, top_p=0.95, top_k=20") and "generation_config.json" in line
+    assert line.startswith("generation config: temperature=0.6, top_p=0.95, top_k=20")
+    assert "generation_config.json" in line
     # A request's own field wins over the model's; the fields it omits take the model's.
     req = merged(s, {"temperature": 0.0}, "prompts.jsonl:1")
     assert (req.temperature, req.top_p) == (0.0, 0.95)
