@@ -291,3 +291,15 @@ def test_to_dict_is_plain_data():
     assert set(d) == {"model", "cache", "scheduler", "sampling", "output", "seed", "distributed",
                       "structured_outputs"}
     json.dumps(d)  # serialisable as is
+
+
+def test_null_leaves_a_sampling_default_to_the_model_and_only_those(tmp_path):
+    # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens: null = the model's
+    # generation_config.json, else pagedrun's default (models/model_defaults.py)
+    r = load_recipe(write(tmp_path, "sampling:\n  temperature: null\n  top_p: 0.9\n"))
+    assert r.sampling.temperature == 0.0 and r.explicit_sampling == {"top_p"}
+    r = load_recipe(None, ["sampling.temperature=0.5", "sampling.temperature=null"])  # a later null unsets
+    assert r.sampling.temperature == 0.0 and r.explicit_sampling == frozenset()
+    assert "sampling.n: must be an integer >= 1" in error_of(write(tmp_path, "sampling:\n  n: null\n"))
+    assert "model.generation_config: must be auto, vllm or a folder" in \
+        error_of(write(tmp_path, "model:\n  generation_config: nowhere\n"))
