@@ -24,8 +24,10 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
     recipe = load_recipe(recipe_path, overrides)
     on_ray = ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None
     # Before the job's fingerprint: the defaults the model contributes (generation_config.json,
-    # dtype: auto) are part of what the job is. Ray's replicas resolve dtype: auto on their own devices.
-    recipe = apply_model_defaults(recipe, resolve_dtype=not on_ray)
+    # dtype: auto) are part of what the job is. Resolved here, once, for Ray too: every replica runs
+    # the same dtype (this machine's reading of auto; --dtype names another), and a job started
+    # locally resumes on Ray and the other way round.
+    recipe = apply_model_defaults(recipe)
     if on_ray:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
         from pagedrun.cli.ray import RayRun

@@ -66,8 +66,8 @@ class ModelDefaults:
 
 
 def apply_model_defaults(recipe: Recipe, *, resolve_dtype: bool = True) -> Recipe:
-    """`recipe` with dtype: auto resolved (unless resolve_dtype is False: Ray replicas resolve on their
-    own device) and the model's generation config applied to its sampling defaults."""
+    """`recipe` with dtype: auto resolved (unless resolve_dtype is False) and the model's generation
+    config applied to its sampling defaults."""
     if recipe.model_defaults is not None:
         return recipe
     path = recipe.model.path
