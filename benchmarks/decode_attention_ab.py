@@ -11,8 +11,10 @@ sequences) is more than the L3 holds, so every layer's K/V comes from memory, as
 Prints the median time of each, the K/V read rate (bytes the contexts hold / time) and whether the
 two produce the same bits. Timings alternate, so a drift of the machine weighs on both.
 
-A REF from before the window and softcap arguments (issue 37) is called without them; --window W
-(default 0) times sliding-window decode in both (REF must then take the arguments). --cpu-time
+A REF from before the window and softcap arguments (issue 37) is called without them, one from before
+the sinks argument (GPT-OSS) without it; --window W (default 0) times sliding-window decode in both (REF
+must then take the arguments); --sinks gives the tree's calls a sink per head (REF's, where it takes
+them; timing what sinks cost, the bits then differ). --cpu-time
 (with --threads 1, where the kernel runs on the calling thread) times the thread's CPU time instead
 of wall time, which other processes' load on a shared machine inflates much less.
 """
@@ -37,9 +39,9 @@ HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 9, 3, 64, 30
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
 
 
-def decode_fn(kernel_dir: Path, window: int):
-    """The decode entry point, called with or without (window, softcap) after the scale, as its
-    source declares it."""
+def decode_fn(kernel_dir: Path, window: int, sinks: torch.Tensor | None = None):
+    """The decode entry point, called with or without (window, softcap) after the scale and the sinks
+    pointer last, as its source declares them."""
     source = kernel_dir / "paged_attention_cpu.cpp"
     lib = ctypes.CDLL(str(cpu_build.build(source)))
     fn = lib.paged_attention_decode
@@ -48,12 +50,14 @@ def decode_fn(kernel_dir: Path, window: int):
     if window and not has_window:
         raise SystemExit(f"decode_attention_ab: {kernel_dir} has no window argument")
     variant = [ctypes.c_int32, ctypes.c_float] if has_window else []
+    has_sinks = "const float* v_aux, const float* sinks" in source.read_text()
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float] + variant + \
-        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+        [ctypes.c_int] * 3 + [ctypes.c_void_p] * (3 if has_sinks else 2)
 
     def call(*args):
         head, tail = args[:16], args[16:]
-        return fn(*head, *((window, 0.0) if has_window else ()), *tail)
+        last = (None if sinks is None else sinks.data_ptr(),) if has_sinks else ()
+        return fn(*head, *((window, 0.0) if has_window else ()), *tail, *last)
     return call
 
 
@@ -67,6 +71,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--sinks", action="store_true")
     args = ap.parse_args()
     dtype, code = DTYPES[args.dtype]
     bs, nseq = args.block_size, args.seqs
@@ -87,8 +92,9 @@ def main() -> None:
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_SIZE * 2 * layers[0][1].element_size() * LAYERS
 
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {"ref": decode_fn(ref_tree(args.ref, Path(tmp)) / "kernels" / "cpu", args.window),
-               "tree": decode_fn(ROOT / "kernels" / "cpu", args.window)}
+        sinks = torch.randn(HEADS, generator=g) if args.sinks else None
+        fns = {"ref": decode_fn(ref_tree(args.ref, Path(tmp)) / "kernels" / "cpu", args.window, sinks),
+               "tree": decode_fn(ROOT / "kernels" / "cpu", args.window, sinks)}
     outs = {name: [torch.empty(nseq, HEADS, HEAD_SIZE, dtype=dtype) for _ in range(LAYERS)] for name in fns}
     times: dict[str, list[float]] = {name: [] for name in fns}
 

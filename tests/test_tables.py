@@ -10,7 +10,6 @@ import io
 import re
 from pathlib import Path
 
-import pytest
 from rich.console import Console
 from rich.markdown import Markdown
 from rich.table import Table

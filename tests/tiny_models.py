@@ -15,6 +15,8 @@ DENSE_FAMILIES = ("phi3", "granite")
 # Families with sliding-window layers (windows of 8, so that test prompts run several windows long)
 # and their own block (Gemma): tests/models/test_gemma.py.
 WINDOW_FAMILIES = ("gemma3", "gemma3_mm", "gemma2", "mistral_swa", "qwen2_swa")
+# Mixture-of-experts families (tests/models/test_moe.py): 8 experts, top-2 or top-3.
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "olmoe", "mixtral")
 
 _BASE: dict[str, Any] = dict(
     vocab_size=640,
@@ -101,6 +103,32 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                 dict(embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.3,
                      logits_scaling=2.5, rope_theta=1e4)),
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Qwen3-MoE: head_dim != hidden / heads, softmax -> top-3 unnormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                       norm_topk_prob=False, rope_theta=1e6)),
+    # The same renormalised, with layer 1 dense (mlp_only_layers: intermediate_size).
+    "qwen3_moe_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                       dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1e6)),
+    # Qwen2-MoE: q/k/v bias, a shared expert with its sigmoid gate; every other layer sparse.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2, num_hidden_layers=4)),
+    # OLMoE: q/k norms over the whole projection, clip_qkv small enough to clamp.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64, clip_qkv=0.5,
+                   eos_token_id=2, pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    # GPT-OSS: sliding (window 8) and full layers alternating, YaRN, biases everywhere, sinks (made
+    # large by _perturb so that they change the attention), top-2 of 8 experts with the clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                     intermediate_size=32, sliding_window=8, swiglu_limit=0.3,
+                     rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=128,
+                                          rope_theta=150000.0))),
     # Qwen2: the layers from max_window_layers on slide.
     "qwen2_swa": ("Qwen2Config", "Qwen2ForCausalLM",
                   dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, rope_theta=1e6)),
@@ -158,6 +186,8 @@ def _perturb(model, config) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(offset + 0.2 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # GPT-OSS: logits comparable to the scores', some above them
+                p.copy_(1.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:

@@ -328,11 +328,15 @@ inline void attend_rows_r(const float* q, float* s, float* acc, float* m, float*
 }
 
 // Not inlined: a call per chunk costs nothing beside the chunk, and the function stays one block of code
-// whatever its callers around it (inlined, g++ laid the f32 decode loop out measurably slower).
+// whatever its callers around it (inlined, g++ laid the f32 decode loop out measurably slower). Aligned
+// to a cache line: its loops then sit where they sit whatever code precedes them in the file (the sinks'
+// few lines elsewhere moved bf16's copy to 16 mod 64 and decode ran 2-3% slower:
+// docs/log/2026-11-28-attention-sinks.md).
 template <bool Cap, typename E>
-__attribute__((noinline)) void attend_rows(int rows, const float* q, float* s, float* acc, float* m, float* l,
-                                           float* p, const E* kp, const E* vp, int64_t kstride, int64_t nr,
-                                           int64_t hd, float softcap, Prefetcher* pf) {
+__attribute__((noinline, aligned(64))) void attend_rows(int rows, const float* q, float* s, float* acc, float* m,
+                                                        float* l, float* p, const E* kp, const E* vp,
+                                                        int64_t kstride, int64_t nr, int64_t hd, float softcap,
+                                                        Prefetcher* pf) {
   switch (rows) {
     case 4: return attend_rows_r<4, Cap>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);
     case 3: return attend_rows_r<3, Cap>(q, s, acc, m, l, p, kp, vp, kstride, nr, hd, softcap, pf);

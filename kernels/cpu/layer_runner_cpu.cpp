@@ -18,7 +18,8 @@
 //                                                 sliding layers have their own), else the model's
 //   cache[slot[t]] = k[t], v[t]                    the paged KV cache
 //   attn = paged attention(q, cache)              decode kernel, or varlen with prefill tokens; the
-//                                                 layer's window and softcap, its group's block tables
+//                                                 layer's window, softcap and sinks, its group's
+//                                                 block tables
 //   h = attn . Wo^T (+ b)
 //   h = rms_norm(h)                               Gemma only (post_attention_layernorm), in place
 //   x, residual = rms_norm(h, residual)
@@ -54,13 +55,15 @@ using DecodeFn = int (*)(void* out, const void* query, const void* key_cache, co
                          const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs, int64_t heads,
                          int64_t kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
                          int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int32_t window,
-                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux);
+                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux,
+                         const float* sinks);
 using VarlenFn = int (*)(void* out, const void* query, const void* key_cache, const void* value_cache,
                          const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
                          const int32_t* context_lens, int64_t num_seqs, int64_t num_tokens, int64_t heads,
                          int64_t kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
                          int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale, int32_t window,
-                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux);
+                         float softcap, int dtype, int threads, int kv_kind, const float* k_aux, const float* v_aux,
+                         const float* sinks);
 
 }  // namespace
 
@@ -95,6 +98,7 @@ struct PrLayer {
   const void* k_norm;
   int32_t window;  // the layer's sliding window (0: full attention)
   float softcap;   // its logit soft-cap (0: none)
+  const float* sinks;  // GPT-OSS's attention sinks, float32 [num_heads] (null: none)
   // Gemma's sandwich norms on the attention's and the MLP's outputs (null in the Llama family),
   // and the layer's RoPE tables (null: the model's).
   const void* attn_out_norm;
@@ -168,12 +172,12 @@ PR_EXPORT int run_decoder_layers(const PrKernels* k, const PrModel* m, const PrL
     if (s->decode_only)
       PR_CALL(k->decode(b->attn, q, L.key_cache, L.value_cache, g.block_tables, s->seq_lens, s->num_seqs,
                         m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, g.table_stride, qkv_n,
-                        q_size, m->scale, L.window, L.softcap, m->dtype_code, threads, 0, nullptr, nullptr));
+                        q_size, m->scale, L.window, L.softcap, m->dtype_code, threads, 0, nullptr, nullptr, L.sinks));
     else
       PR_CALL(k->varlen(b->attn, q, L.key_cache, L.value_cache, g.block_tables, s->query_start_loc, s->seq_lens,
                         s->context_lens, s->num_seqs, T, m->num_heads, m->num_kv_heads, hd, m->block_size,
                         m->num_blocks, g.table_stride, qkv_n, q_size, m->scale, L.window, L.softcap, m->dtype_code,
-                        threads, 0, nullptr, nullptr));
+                        threads, 0, nullptr, nullptr, L.sinks));
     PR_CALL(k->linear(b->attn, L.o_w, L.o_b, b->h, T, H, q_size, q_size, H, threads));
     if (L.attn_out_norm) PR_CALL(k->rms_norm(b->h, nullptr, L.attn_out_norm, b->h, T, H, H, 0, H, m->eps, threads));
     PR_CALL(k->rms_norm(b->h, b->residual, L.post_norm, b->x, T, H, H, H, H, m->eps, threads));

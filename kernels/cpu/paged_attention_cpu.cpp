@@ -29,6 +29,14 @@
 // (softcap > 0): every score becomes softcap * tanh(score / softcap) before the online softmax
 // (softcap_scores, or softmax_row32 on AMX).
 //
+// Attention sinks (GPT-OSS; sinks non-null, float32 [num_heads]): head h's sink is one more logit with
+// a zero value vector. It joins the denominator once, before a row's output is normalised: with the
+// row's final running max m and sum l, l += e^(sink - m) (add_sinks), so out = acc / (l + e^(sink - m)),
+// the softmax over the keys and the sink together (HF's eager attention concatenates the sink to the
+// scores). Nothing in the chunk loops changes, so every path (decode, read alone, tiled, AMX) takes
+// it from the same few lines; a call with sinks runs the Variant copy of the item loop (below), so the
+// one without window, softcap and sinks is the code without them.
+//
 // Return value: 0 on success, negative when an argument is out of range (the caller falls back to
 // torch or raises); nothing is written in that case.
 
@@ -69,6 +77,7 @@ struct Shape {
   float scale;
   int64_t window;  // keys a query sees, itself included (0: all before it)
   float softcap;   // scores capped at softcap * tanh(score / softcap) (0: not capped)
+  const float* sinks;  // [num_heads] attention sink logits (nullptr: none)
 };
 
 // The first key position a query at `pos` sees.
@@ -105,10 +114,26 @@ struct Scratch {
   }
 };
 
+// Attention sinks: each of the item's rows (as attend_item numbers them) adds its head's sink to its
+// final softmax sum, l += exp(sink - m): the sink's term against the row's running max. A sink more
+// than 88.7 above it saturates exp_f32 (no inf: l stays finite and the row's output all but 0, as it
+// is in exact arithmetic); -inf adds exp(-87.3), about 1e-38. Rows with no key (l = 0) stay 0. Called
+// from the Variant copy of the item loop only, and out of line: the full-attention copy is the code
+// without sinks (with a test for them, bf16 decode ran 2% slower: docs/log/2026-11-28-attention-sinks.md).
+__attribute__((noinline)) void add_sinks(const Item& it, const Shape& sh, const float* m, float* l) {
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
+  for (int64_t h = it.kv0; h < it.kv1; ++h)
+    for (int64_t t = 0; t < it.ntok; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((h - it.kv0) * it.ntok + t) * group + g;
+        if (l[r] > 0.0f) l[r] += exp_f32(sh.sinks[h * group + g] - m[r]);
+      }
+}
+
 // Rows of an item: r = ((h - kv0) * ntok + t) * group + g is token tok0 + t, query head h * group + g.
 // tiles: this thread's AMX tiles are configured (run_items), and a prefill item runs on them.
-// Variant: the layer has a window or a softcap (sh.window, sh.softcap); false ignores both. Inlined into
-// run_items' loop, as g++ did by itself before there were two copies (out of line, f32 decode was slower).
+// Variant: the layer has a window, a softcap or sinks (sh.window, sh.softcap, sh.sinks); false ignores
+// them. Inlined into run_items' loop, as g++ did by itself before there were two copies (out of line, f32 decode was slower).
 template <typename T, typename KV, bool Variant>
 __attribute__((always_inline)) inline void attend_item(
     const Item& it, T* out, const T* query, const typename KV::E* key_cache, const typename KV::E* value_cache,
@@ -274,6 +299,8 @@ __attribute__((always_inline)) inline void attend_item(
     }
   }
 
+  if constexpr (Variant)
+    if (sh.sinks) add_sinks(it, sh, m, l);
   for (int64_t h = it.kv0; h < it.kv1; ++h)
     for (int64_t t = 0; t < it.ntok; ++t)
       for (int64_t g = 0; g < group; ++g) {
@@ -336,6 +363,9 @@ int check_shape(const Shape& sh) {
   if (sh.block_size <= 0 || sh.num_blocks <= 0 || sh.table_stride < 0) return -3;
   if (sh.q_stride < sh.num_heads * sh.head_size || sh.o_stride < sh.num_heads * sh.head_size) return -4;
   if (sh.window < 0 || !(sh.softcap >= 0.0f) || sh.softcap > 3.0e38f) return -10;  // NaN and inf refused too
+  if (sh.sinks)  // -inf is a sink that never weighs; NaN and +inf would make every weight NaN
+    for (int64_t h = 0; h < sh.num_heads; ++h)
+      if (!(sh.sinks[h] < __builtin_inff())) return -11;
   return 0;
 }
 
@@ -376,7 +406,7 @@ int varlen(void* out_, const void* query_, const void* key_cache_, const void* v
   using E = typename KV::E;
   const auto* kc = static_cast<const E*>(key_cache_);
   const auto* vc = static_cast<const E*>(value_cache_);
-  if (sh.window > 0 || sh.softcap > 0.0f)
+  if (sh.window > 0 || sh.softcap > 0.0f || sh.sinks)
     run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   else
     run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
@@ -406,7 +436,7 @@ int decode(void* out_, const void* query_, const void* key_cache_, const void* v
   const auto* kc = static_cast<const E*>(key_cache_);
   const auto* vc = static_cast<const E*>(value_cache_);
   const int64_t max_rows = heads_per_item * (sh.num_heads / sh.num_kv_heads);
-  if (sh.window > 0 || sh.softcap > 0.0f)
+  if (sh.window > 0 || sh.softcap > 0.0f || sh.sinks)
     run_items<T, KV, true>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
   else
     run_items<T, KV, false>(items, out, query, kc, vc, block_tables, sh, max_rows, num_threads, kr, vr);
@@ -451,8 +481,9 @@ int dispatch(int dtype, int kv_kind, const float* k_aux, const float* v_aux, int
 // Every query of sequence i (tokens query_start_loc[i]..query_start_loc[i+1], at positions
 // p = context_lens[i] + j) attends causally to cache positions 0..p (window > 0: the window keys
 // max(0, p - window + 1)..p; softcap > 0: scores capped); rows of tokens past query_start_loc[num_seqs]
-// are zeroed. seq_lens[i] must equal context_lens[i] + query length. Window and softcap: the layer's
-// (pagedrun/attention/backend.py); table entries below a sequence's first query's window are not read.
+// are zeroed. seq_lens[i] must equal context_lens[i] + query length. Window, softcap and sinks (nullptr
+// or float32 [num_heads]): the layer's (pagedrun/attention/backend.py); table entries below a
+// sequence's first query's window are not read.
 PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* query_start_loc,
                                      const int32_t* seq_lens, const int32_t* context_lens, int64_t num_seqs,
@@ -460,9 +491,9 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
                                      int64_t head_size, int64_t block_size, int64_t num_blocks,
                                      int64_t table_stride, int64_t q_stride, int64_t o_stride, float scale,
                                      int32_t window, float softcap, int dtype, int num_threads, int kv_kind,
-                                     const float* k_aux, const float* v_aux) {
+                                     const float* k_aux, const float* v_aux, const float* sinks) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
-                 window, softcap};
+                 window, softcap, sinks};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0 || num_tokens < 0) return -6;
   num_threads = std::max(1, num_threads);
@@ -474,16 +505,17 @@ PR_EXPORT int paged_attention_varlen(void* out, const void* query, const void* k
 }
 
 // One query per sequence (query and out [num_seqs, num_heads, head_size]) over its seq_lens[i]
-// cached tokens: the last `window` of them when window > 0 (the table entries before those are not read).
+// cached tokens: the last `window` of them when window > 0 (the table entries before those are not read);
+// sinks as paged_attention_varlen's.
 PR_EXPORT int paged_attention_decode(void* out, const void* query, const void* key_cache, const void* value_cache,
                                      const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                                      int64_t block_size, int64_t num_blocks, int64_t table_stride,
                                      int64_t q_stride, int64_t o_stride, float scale, int32_t window, float softcap,
                                      int dtype, int num_threads, int kv_kind, const float* k_aux,
-                                     const float* v_aux) {
+                                     const float* v_aux, const float* sinks) {
   const Shape sh{num_heads, num_kv_heads, head_size, block_size, num_blocks, table_stride, q_stride, o_stride, scale,
-                 window, softcap};
+                 window, softcap, sinks};
   if (int rc = check_shape(sh)) return rc;
   if (num_seqs < 0) return -6;
   num_threads = std::max(1, num_threads);

@@ -10,6 +10,8 @@
 //   out          [num_seqs, num_heads, head_size]
 //   window       sliding window (0: off): the query (position seq_len - 1) sees keys [seq_len - window, seq_len)
 //   softcap      logit soft-capping (0: off): logit = softcap * tanh(scale * q.k / softcap)
+//   sinks        attention sinks (GPT-OSS; nullptr: off): float32 [num_heads], head h's sink one more
+//                logit in its softmax, with a zero value vector
 //
 // Grid (num_heads, num_seqs[, max_num_partitions]); NUM_THREADS (128) threads = 4 warps.
 // Rules that keep this file emulatable (docs/design/cuda-kernels.md, docs/design/emulator.md): dynamic shared memory only
@@ -45,6 +47,10 @@ namespace pagedrun {
 // keys of that first block below the window are masked like keys past the end. v2's grid partitions
 // are absolute 512-token partitions counted from the one holding the window's first key (z index 0),
 // so a launch covers only the window (paged_attention_v2_reduce_kernel counts them the same way).
+//
+// Attention sinks: the sink joins the softmax of the whole window once. v1 raises the block's max to
+// the sink and adds exp(sink - max) to the exp-sum before normalising; v2's partitions know nothing
+// of it (each would add it again) and the reduce adds it to the global max and exp-sum instead.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
           KvCacheDtype KV_DTYPE, int GROUP>
 __device__ inline void paged_attention_body(
@@ -56,7 +62,8 @@ __device__ inline void paged_attention_body(
     const kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
+    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap,
+    const float* __restrict__ sinks) {
   using cache_t = kv_cache_t<scalar_t, KV_DTYPE>;
   constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;
   constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
@@ -206,6 +213,12 @@ __device__ inline void paged_attention_body(
   // maximal logit exactly exp(0) as before.
   PR_UNROLL
   for (int g = 0; g < GROUP; g++) qk_max[g] = soft_cap(qk_max[g], softcap);
+  // v1's sink: the max over the keys and the sink (a uniform branch: one argument for the launch).
+  // v2 passes nullptr: its reduce adds the sink once for all the partitions.
+  if (!USE_PARTITIONING && sinks != nullptr) {
+    PR_UNROLL
+    for (int g = 0; g < GROUP; g++) qk_max[g] = fmaxf(qk_max[g], sinks[head0 + g]);
+  }
 
   float exp_sum[GROUP];
   PR_UNROLL
@@ -218,9 +231,14 @@ __device__ inline void paged_attention_body(
     }
   }
   block_sum_n<NUM_WARPS, GROUP>(exp_sum, red_smem + NUM_WARPS * GROUP, warp_idx, lane);
+  if (!USE_PARTITIONING && sinks != nullptr) {  // every thread holds the block's sums: each adds it
+    PR_UNROLL
+    for (int g = 0; g < GROUP; g++) exp_sum[g] += fast_exp(sinks[head0 + g] - qk_max[g]);
+  }
   PR_UNROLL
   for (int g = 0; g < GROUP; g++) {
-    // exp_sum >= 1: the maximal logit contributes exp(0) (each launched partition holds a window key).
+    // exp_sum >= 1: the maximal logit (or v1's sink) contributes exp(0) (each launched partition holds
+    // a window key).
     const float inv_sum = 1.f / exp_sum[g];
     for (int i = first_logit + thread_idx; i < num_tokens; i += NUM_THREADS) {
       logits[g * logits_stride + i] *= inv_sum;
@@ -378,10 +396,11 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v1_kernel(
     const pagedrun::kv_cache_t<scalar_t, KV_DTYPE>* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int num_kv_heads, const float scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
+    const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap,
+    const float* __restrict__ sinks) {
   pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, KV_DTYPE, GROUP>(
       nullptr, nullptr, out, nullptr, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
-      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap);
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap, sinks);
 }
 
 // Grid (num_heads / GROUP, num_seqs, max_num_partitions); partial results are kept in fp32. With a window,
@@ -397,18 +416,20 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_kernel(
     const int max_num_blocks_per_seq, const int q_stride, const int window, const float softcap) {
   pagedrun::paged_attention_body<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, KV_DTYPE, GROUP>(
       exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, k_scales, v_scales, num_kv_heads, scale,
-      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap);
+      block_tables, seq_lens, max_num_blocks_per_seq, q_stride, window, softcap, nullptr);
 }
 
 // Combine the partitions of one (head, sequence): partition i's output was normalised by its own
 // exp-sum s_i at its own max m_i; with M = max_i m_i its weight is s_i * exp(m_i - M) / sum_j(...).
 // Grid (num_heads, num_seqs); dynamic shared memory 2 * max_num_partitions floats. `window` as given to
 // the v2 kernel: it says which partitions that kernel wrote (each of them holds a key of the window).
+// sinks (nullptr: off): head h's sink joins here, once: M = max(M, sink), sum += exp(sink - M).
 template <typename scalar_t, int HEAD_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
     scalar_t* __restrict__ out, const float* __restrict__ exp_sums,
     const float* __restrict__ max_logits, const float* __restrict__ tmp_out,
-    const int* __restrict__ seq_lens, const int max_num_partitions, const int window) {
+    const int* __restrict__ seq_lens, const int max_num_partitions, const int window,
+    const float* __restrict__ sinks) {
   constexpr int NUM_WARPS = NUM_THREADS / PR_WARP_SIZE;
   const int num_heads = gridDim.x;
   const int head_idx = blockIdx.x;
@@ -427,7 +448,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
   }
   const int num_partitions = PR_DIV_UP(seq_len, PARTITION_SIZE) -
                              pagedrun::window_first_key(seq_len, window) / PARTITION_SIZE;
-  if (num_partitions == 1) {  // nothing to rescale
+  if (num_partitions == 1 && sinks == nullptr) {  // nothing to rescale (a sink always rescales)
     for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {
       out_ptr[i] = pagedrun::from_float<scalar_t>(tmp_ptr[i]);
     }
@@ -448,6 +469,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
     max_logit = fmaxf(max_logit, l);
   }
   max_logit = pagedrun::block_max<NUM_WARPS, 1>(max_logit, red_smem, warp_idx, lane);
+  if (sinks != nullptr) max_logit = fmaxf(max_logit, sinks[head_idx]);  // block-uniform: after the max
 
   float global_exp_sum = 0.f;
   for (int i = thread_idx; i < num_partitions; i += NUM_THREADS) {
@@ -456,6 +478,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_attention_v2_reduce_kernel(
     global_exp_sum += w;
   }
   global_exp_sum = pagedrun::block_sum<NUM_WARPS>(global_exp_sum, red_smem + NUM_WARPS, warp_idx, lane);
+  if (sinks != nullptr) global_exp_sum += pagedrun::fast_exp(sinks[head_idx] - max_logit);
   const float inv_global_exp_sum = 1.f / global_exp_sum;
 
   for (int i = thread_idx; i < HEAD_SIZE; i += NUM_THREADS) {

@@ -19,6 +19,11 @@ Per-layer attention variants, passed by the model as keywords (0 means "off"):
              NaN included) reach the output.
     softcap  logit soft-capping (Gemma 2): score = softcap * tanh(scale * q.k / softcap), before
              the softmax.
+    sinks    learned attention sinks (GPT-OSS): float32 [num_heads] on the query's device (None: off),
+             whatever the model's dtype. Head h's sink is one more logit in each of its softmaxes, with
+             a zero value vector: out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),
+             m = max(max_j s_j, sinks[h]), the s_j after the softcap and within the window (HF's
+             eager_attention_forward). It only shrinks the weights: a large sink drives the output to 0.
 """
 from __future__ import annotations
 
@@ -46,10 +51,12 @@ class AttentionBackend(Protocol):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Write key/value through meta.slot_mapping, then compute causal attention of each query
         over its sequence's cached tokens (read through meta.block_tables), within `window` keys
-        when it is > 0, with logits soft-capped at `softcap` when it is > 0.
+        when it is > 0, with logits soft-capped at `softcap` when it is > 0, and each head's sink
+        logit in its softmax denominator when `sinks` is given.
 
         Contract: every new token's K/V is written before any query attends. The scheduler relies on
         it: a request may hit prefix-cache blocks that another request computes in the same step."""

@@ -63,8 +63,8 @@ class CpuAttentionKernels:
         self.so_path = so_path
         lib = load_library(so_path)  # the very file the cache checked (build/cache.py)
         lib.paged_attention_varlen.restype = _int
-        # ... scale, window, softcap, dtype, threads, kv kind, k_aux, v_aux
-        tail = [_f32, _i32, _f32, _int, _int, _int, _ptr, _ptr]
+        # ... scale, window, softcap, dtype, threads, kv kind, k_aux, v_aux, sinks
+        tail = [_f32, _i32, _f32, _int, _int, _int, _ptr, _ptr, _ptr]
         lib.paged_attention_varlen.argtypes = [_ptr] * 8 + [_i64] * 10 + tail
         lib.paged_attention_decode.restype = _int
         lib.paged_attention_decode.argtypes = [_ptr] * 6 + [_i64] * 9 + tail
@@ -98,29 +98,50 @@ class CpuAttentionKernels:
 
     def varlen(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                context_lens, scale: float, num_threads: int, kv: KVReader | None = None, *, window: int = 0,
-               softcap: float = 0.0) -> int:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
         """All int tensors int32 and contiguous; query/out [tokens, heads, hd] with contiguous rows;
-        key/value caches contiguous, every tensor of the same dtype. window / softcap: the layer's
-        (pagedrun/attention/backend.py; 0 = off)."""
+        key/value caches contiguous, every tensor of the same dtype. window / softcap / sinks: the
+        layer's (pagedrun/attention/backend.py; 0 / None = off)."""
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        sinks = sink_arg(sinks, query.shape[1])
         return self._lib.paged_attention_varlen(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), context_lens.data_ptr(),
             seq_lens.shape[0], query.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
             scale, window, softcap, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
+            _address(sinks),
         )
 
     def decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-               num_threads: int, kv: KVReader | None = None, *, window: int = 0, softcap: float = 0.0) -> int:
+               num_threads: int, kv: KVReader | None = None, *, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> int:
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        sinks = sink_arg(sinks, query.shape[1])
         return self._lib.paged_attention_decode(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(),
             seq_lens.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
             block_tables.shape[1], query.stride(0), out.stride(0),
             scale, window, softcap, DTYPE_CODES[query.dtype], num_threads, *(kv or KVReader()).pointers(),
+            _address(sinks),
         )
+
+
+def sink_arg(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """sinks as the kernels read them: float32 [num_heads], on the CPU, contiguous (itself when it
+    already is, as a model's float32 parameter is)."""
+    if sinks is None:
+        return None
+    if sinks.numel() != num_heads:
+        raise ValueError(f"sinks has {sinks.numel()} entries for {num_heads} query heads")
+    sinks = sinks.detach()
+    return sinks if sinks.dtype == torch.float32 and sinks.device.type == "cpu" and sinks.is_contiguous() else (
+        sinks.to("cpu", torch.float32).contiguous())
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def int_arg(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

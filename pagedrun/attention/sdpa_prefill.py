@@ -12,8 +12,9 @@ the prefix length.
 Sliding window (window > 0, pagedrun/attention/backend.py): query j sees only the `window` keys up to
 its own position. The gather starts at the first key the step's first query sees, so the blocks wholly
 below it (placeholders with the hybrid KV manager: anything, NaN included) are never read. Soft-capped
-logits (softcap > 0) have no SDPA kernel: `attention` then computes the scores explicitly, a prefill
-in chunks of query rows (SCORE_ELEMS).
+logits (softcap > 0) and attention sinks (GPT-OSS: a learned per-head logit with a zero value vector
+in each softmax) have no SDPA kernel: `attention` then computes the scores explicitly in float32, a
+prefill in chunks of query rows (SCORE_ELEMS).
 """
 from __future__ import annotations
 
@@ -59,11 +60,14 @@ def gather_one(key_cache, value_cache, block_table, seq_len: int, block_size: in
     return k, v
 
 
-def attention(qh, kh, vh, mask, scale: float, softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+def attention(qh, kh, vh, mask, scale: float, softcap: float = 0.0, is_causal: bool = False, *,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., heads, n, hd] queries and [..., kv_heads, L, hd] keys/values (GQA: heads a
     multiple of kv_heads); mask: bool, broadcastable to [..., heads, n, L], True = attend. With
-    softcap > 0 the scores are computed explicitly (float32), capped, masked and softmaxed."""
-    if softcap <= 0:
+    softcap > 0 or sinks (float32 [heads]) the scores are computed explicitly (float32), capped,
+    masked and softmaxed, each head's sink a last column of its scores that is dropped after the
+    softmax (HF's GPT-OSS eager attention): it only adds exp(sink - max) to the denominator."""
+    if softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=qh.shape[-3] != kh.shape[-3])
     heads, kv_heads, n, hd = qh.shape[-3], kh.shape[-3], qh.shape[-2], qh.shape[-1]
@@ -71,13 +75,19 @@ def attention(qh, kh, vh, mask, scale: float, softcap: float = 0.0, is_causal: b
     # Each kv head's group of query heads as one matrix: no repeated K/V.
     q = qh.float().reshape(*qh.shape[:-3], kv_heads, group * n, hd)
     scores = (q @ kh.float().transpose(-1, -2)) * scale  # [..., kv_heads, group * n, L]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.view(*qh.shape[:-3], heads, n, -1)
     if is_causal:
         mask = torch.ones(n, scores.shape[-1], dtype=torch.bool, device=qh.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(*qh.shape[:-3], kv_heads, group * n, -1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.device, torch.float32).view(heads, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    probs = probs.reshape(*qh.shape[:-3], kv_heads, group * n, -1)
     out = probs @ vh.float()
     return out.view(qh.shape).to(qh.dtype)
 
@@ -88,12 +98,12 @@ SCORE_ELEMS = 1 << 24
 
 
 def prefill_attention(q, k, v, context_len: int, scale: float, *, key_start: int = 0, window: int = 0,
-                      softcap: float = 0.0) -> torch.Tensor:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, heads, hd] at positions context_len.., k/v [context_len + n - key_start, kv_heads, hd]:
     the keys at positions key_start..context_len + n - 1."""
     n, num_keys = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
-    if softcap <= 0:
+    if softcap <= 0 and sinks is None:
         if context_len == 0 and key_start == 0 and window <= 0:
             return attention(qh, kh, vh, None, scale, is_causal=True).transpose(0, 1)
         mask = _mask(context_len, n, key_start, num_keys, window, q.device)
@@ -105,7 +115,7 @@ def prefill_attention(q, k, v, context_len: int, scale: float, *, key_start: int
         r, pos = min(rows, n - i), context_len + i
         lo, hi = max(first_key(pos, window), key_start) - key_start, pos + r - key_start
         mask = _mask(pos, r, key_start + lo, hi - lo, window, q.device)
-        outs.append(attention(qh[:, i : i + r], kh[:, lo:hi], vh[:, lo:hi], mask, scale, softcap))
+        outs.append(attention(qh[:, i : i + r], kh[:, lo:hi], vh[:, lo:hi], mask, scale, softcap, sinks=sinks))
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
@@ -121,9 +131,11 @@ def _mask(q_start: int, n: int, k_start: int, num_keys: int, window: int, device
 
 
 def attend_prefills(out, query, key, value, key_cache, value_cache, block_tables, seqs: list[PrefillSeq],
-                    block_size: int, scale: float, *, window: int = 0, softcap: float = 0.0) -> None:
+                    block_size: int, scale: float, *, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
     """out[tokens of each seq] = its causal attention (within `window` keys, logits capped at `softcap`
-    when they are > 0); the cache must already hold this step's K/V."""
+    when they are > 0, each head's sink logit in its softmax when sinks is given); the cache must
+    already hold this step's K/V."""
     for p in seqs:
         s, n = p.start, p.num_tokens
         start = first_key(p.context_len, window)  # the first key any of the sequence's queries sees
@@ -132,4 +144,4 @@ def attend_prefills(out, query, key, value, key_cache, value_cache, block_tables
         else:
             k, v = gather_one(key_cache, value_cache, block_tables[p.index], p.seq_len, block_size, start)
         out[s : s + n] = prefill_attention(query[s : s + n], k, v, p.context_len, scale, key_start=start,
-                                           window=window, softcap=softcap)
+                                           window=window, softcap=softcap, sinks=sinks)

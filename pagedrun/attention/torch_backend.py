@@ -12,7 +12,7 @@ then attention over each sequence's blocks, found through its block table.
   (context_lens > 0) the causal mask is shifted by the context length.
 - A sliding window (window > 0) gathers each sequence's blocks from the one holding the first key
   its first query sees, so the placeholders the hybrid KV manager leaves below it are never read;
-  a softcap computes the scores explicitly (sdpa_prefill.attention).
+  a softcap or attention sinks compute the scores explicitly (sdpa_prefill.attention).
 
 On the CPU the fast path is the C++ kernel (kernels/cpu/paged_attention_cpu.cpp through
 pagedrun.attention.cpu_kernels, issue 8): one call per layer for every token of the step, reading K/V
@@ -99,6 +99,7 @@ class TorchAttentionBackend:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kern = self._usable_kernel(query, key_cache, value_cache)
         if self.quantized:
@@ -107,7 +108,7 @@ class TorchAttentionBackend:
             reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernels=kern)
         if kern is not None:
             out = self._attend_kernel(kern, query, key_cache, value_cache, meta, scale, k_scale, v_scale,
-                                      window=window, softcap=softcap)
+                                      window=window, softcap=softcap, sinks=sinks)
             if out is not None:
                 self.last_path = "cpu_kernel"
                 return out
@@ -115,7 +116,7 @@ class TorchAttentionBackend:
         if self.quantized:
             key_cache, value_cache, meta = self._dequantized_blocks(key_cache, value_cache, k_scale, v_scale, meta,
                                                                     window)
-        return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale, window, softcap)
+        return self._attend_torch(query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks)
 
     def _write_quantized(self, key, value, key_cache, value_cache, k_scale, v_scale, meta, kern):
         """Quantize this step's K/V and scatter the codes (and int8 scales); returns K/V as the cache
@@ -182,7 +183,8 @@ class TorchAttentionBackend:
         return kern
 
     def _attend_kernel(self, kern, query, key_cache, value_cache, meta, scale, k_scale=None, v_scale=None, *,
-                       window: int = 0, softcap: float = 0.0) -> torch.Tensor | None:
+                       window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
         """Every token of the step in one kernel call; None if the kernel refused the arguments."""
         head_size = query.shape[2]
         if query.stride(2) != 1 or query.stride(1) != head_size:
@@ -193,11 +195,11 @@ class TorchAttentionBackend:
         kv = cpu_kernels.kv_reader(self.kv_cache_dtype, k_scale, v_scale)
         if meta.is_decode_only and meta.num_seqs == query.shape[0]:
             rc = kern.decode(out, query, key_cache, value_cache, tables, seq_lens, scale, threads, kv,
-                             window=window, softcap=softcap)
+                             window=window, softcap=softcap, sinks=sinks)
         else:
             starts, context_lens = int_arg(meta.query_start_loc, torch.int32), int_arg(meta.context_lens, torch.int32)
             rc = kern.varlen(out, query, key_cache, value_cache, tables, starts, seq_lens, context_lens, scale, threads,
-                             kv, window=window, softcap=softcap)
+                             kv, window=window, softcap=softcap, sinks=sinks)
         if rc != 0:
             # Inconsistent metadata or a block id outside the cache: let the torch path have it
             # (it raises on what the kernel could only have crashed on).
@@ -207,26 +209,28 @@ class TorchAttentionBackend:
         return out
 
     def _attend_torch(self, query, key, value, key_cache, value_cache, meta, scale, window: int = 0,
-                      softcap: float = 0.0) -> torch.Tensor:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The reference path: batched gather + SDPA for decodes, one SDPA per prefill."""
         num_tokens = query.shape[0]
         qlens = meta.query_lens_list
         if meta.is_decode_only and sum(qlens) == num_tokens:
-            return self._decode(query, key_cache, value_cache, meta, range(meta.num_seqs), scale, window, softcap)
+            return self._decode(query, key_cache, value_cache, meta, range(meta.num_seqs), scale, window, softcap,
+                                sinks)
 
         out = query.new_zeros(query.shape)  # rows of padding tokens stay zero
         starts = meta.query_start_loc.tolist()
         decode_seqs = [i for i, n in enumerate(qlens) if n == 1]
         if decode_seqs:
             tok = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
-            out[tok] = self._decode(query[tok], key_cache, value_cache, meta, decode_seqs, scale, window, softcap)
+            out[tok] = self._decode(query[tok], key_cache, value_cache, meta, decode_seqs, scale, window, softcap,
+                                    sinks)
         attend_prefills(out, query, key, value, key_cache, value_cache, meta.block_tables,
                         prefill_seqs(qlens, meta.seq_lens_list), meta.block_size, scale, window=window,
-                        softcap=softcap)
+                        softcap=softcap, sinks=sinks)
         return out
 
     def _decode(self, query, key_cache, value_cache, meta, seqs, scale, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [S, heads, hd], one token per sequence in `seqs` -> [S, heads, hd], in chunks of
         at most DECODE_GATHER_TOKENS gathered rows (one chunk in most steps)."""
         all_seqs = isinstance(seqs, range) and len(seqs) == meta.num_seqs
@@ -241,7 +245,7 @@ class TorchAttentionBackend:
         if chunks is None:
             gathered = [min(n, window + block_size - 1) for n in lens] if window > 0 else lens
             chunks = meta.backend_state[key] = decode_chunks(gathered, block_size, DECODE_GATHER_TOKENS)
-        variant = {"window": window, "softcap": softcap}
+        variant = {"window": window, "softcap": softcap, "sinks": sinks}
         if len(chunks) == 1:
             return _gather_decode(query, key_cache, value_cache, tables, seq_lens, max(lens), scale, **variant)
         out = torch.empty_like(query)
@@ -254,7 +258,7 @@ class TorchAttentionBackend:
 
 
 def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, scale, *, window: int = 0,
-                   softcap: float = 0.0) -> torch.Tensor:
+                   softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One gather of the sequences' blocks (padded to the longest) and one batched SDPA. With a window,
     each sequence's blocks from the one holding its first visible key (seq_len - window) only: the
     table entries below it (placeholders) are not read."""
@@ -278,7 +282,7 @@ def _gather_decode(query, key_cache, value_cache, tables, seq_lens, max_len, sca
     # SDPA with GQA on the un-repeated K/V: faster on CPU than matmul+softmax, and no repeated K/V
     # (docs/log/2026-11-27-figures-from-code-comments.md).
     q = query.unsqueeze(2).to(k.dtype)  # [S, heads, 1, hd]
-    out = sdpa_prefill.attention(q, k, v, valid[:, None, None, :], scale, softcap)
+    out = sdpa_prefill.attention(q, k, v, valid[:, None, None, :], scale, softcap, sinks=sinks)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

@@ -27,6 +27,7 @@ from pagedrun.bench.engines import run_engine, run_isolated
 from pagedrun.bench.roof import Roof
 from pagedrun.bench.workloads import BenchRequest
 from pagedrun.errors import PagedrunError
+from pagedrun.report.machine import machine_info
 
 ENGINES = ("pagedrun", "hf-static", "hf-continuous", "vllm")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -342,22 +343,3 @@ def summarise(rows, mismatches, requests, workload, model, model_dir, params, dt
         "mismatches": mismatches,
         "pagedrun_report": ref["report"] if ref else None,
     }
-
-
-def machine_info(device: str, threads: int) -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "device": device,
-            "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-    if device == "cuda":
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name()
-    return info

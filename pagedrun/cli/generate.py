@@ -74,6 +74,20 @@ class LocalRun:
         return build_report(self.llm.engine, self.results, wall_s=wall_s, load_s=self.load_s,
                             interrupted=interrupted)
 
+    def machine(self) -> dict:
+        import torch
+
+        from pagedrun.report.machine import machine_info
+
+        device = self.llm.engine.worker.device
+        return machine_info(str(torch.device(device).type), torch.get_num_threads())
+
+    def model_info(self) -> dict:
+        """The architecture and its parameter counts (an MoE token computes with the active ones)."""
+        cfg = self.llm.engine.model_config
+        return {"architecture": cfg.architecture, "parameters": cfg.num_parameters(),
+                "active_parameters": cfg.active_parameters()}
+
     def plot(self, path: Path, output: Path, inputs: tuple[Path, ...]) -> None:
         from pagedrun.report.plot import plot_blocks
 
@@ -100,9 +114,11 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     defaults = getattr(llm.recipe, "model_defaults", None)
     if defaults is not None and defaults.dtype_note:
         dtype = f"{dtype} (dtype {defaults.dtype_note})"
+    active = cfg.active_parameters()
+    active = f" ({active / 1e6:.1f}M active)" if active != cfg.num_parameters() else ""
     console.print(
-        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params, "
-        f"{dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
+        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params"
+        f"{active}, {dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )
     if defaults is not None:

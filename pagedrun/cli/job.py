@@ -37,8 +37,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from pagedrun.cli.progress_log import ProgressLog
+from pagedrun.cli.progress_log import ProgressLog, timestamp
 from pagedrun.errors import PagedrunError
+from pagedrun.io.stdout_writer import is_stdout
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
 EXIT_OK = 0  # every request has an output
@@ -103,7 +104,8 @@ def job_exit_code(writer, total: int, output: Path, console: Console) -> int:
     if not failed:
         return EXIT_OK
     code = EXIT_ALL_FAILED if failed == total else EXIT_SOME_FAILED
-    console.print(f"{failed} of {total} requests failed (their error records are in {output}); exit code {code}",
+    where = "stdout" if is_stdout(output) else output
+    console.print(f"{failed} of {total} requests failed (their error records are in {where}); exit code {code}",
                   style="yellow", highlight=False, soft_wrap=True, markup=False)
     return code
 
@@ -141,11 +143,15 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
             plot: Path | None, quiet: bool, console: Console, stop, make_executor,
             log_interval_s: float | None = None) -> int:
     from pagedrun.io.input_files import InputSnapshot
+    from pagedrun.io.stdout_writer import StdoutWriter, is_stdout
     from pagedrun.io.writer import OutputWriter
 
     if not prompts.is_file():
         raise PagedrunError(f"{prompts}: prompts file not found")
-    if output.resolve() == prompts.resolve():
+    to_stdout = is_stdout(output)
+    if to_stdout and overwrite:
+        raise PagedrunError("-o -: --overwrite has no meaning for stdout (nothing is resumed there)")
+    if not to_stdout and output.resolve() == prompts.resolve():
         raise PagedrunError(f"{output}: -o is the prompts file; choose another output path")
     if plot is not None:  # by -o's rules, now: a bad --plot costs nothing (io/file_safety.py)
         check_plot_option(plot, output, (prompts, recipe_path))
@@ -156,9 +162,9 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
         # Checked before the model loads: a refused resume (other recipe or prompts) costs nothing.
         fingerprint = {"recipe": recipe.fingerprint(), "prompts": snapshot.sha256}
         # Also checks every path the run will write and takes the output's lock (io/file_safety.py).
-        writer = OutputWriter(output, fingerprint, overwrite=overwrite,
-                              fsync_interval_s=recipe.output.fsync_interval_s, inputs=(prompts, recipe_path),
-                              report=recipe.output.report)
+        writer = StdoutWriter() if to_stdout else OutputWriter(
+            output, fingerprint, overwrite=overwrite, fsync_interval_s=recipe.output.fsync_interval_s,
+            inputs=(prompts, recipe_path), report=recipe.output.report)
         executor = make_executor()  # cheap; Ray's says in one line when Ray is not installed
         # Pass 1 over the prompts (io/stream.py): a bad line fails here, before the model loads.
         with console.status("checking requests…", spinner="dots"):
@@ -198,6 +204,7 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
     # From here a first Ctrl-C or SIGTERM ends the job cleanly (every finished output kept), a second
     # one at once: during the load or the cluster's start too.
     stop.install()
+    started_at = timestamp()
     executor.start(console, quiet, num_requests=stream.num_pending, plot=plot)
 
     log = log or ProgressLog(console, 0, enabled=False)
@@ -248,16 +255,19 @@ def _run(executor, stream, writer, *, recipe, output: Path, plot: Path | None, q
         log.line(ProgressLog.status(counters["done"], total, tok_per_s(), time.perf_counter() - t0)
                  + (" (stopped)" if stop.stop else " (done)"))
         return _finish(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
-                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0)
+                       console=console, stop=stop, inputs=inputs, wall=time.perf_counter() - t0,
+                       started_at=started_at)
     except RunFailed:
         raise
     except PagedrunError as e:
+        if is_stdout(output):
+            raise RunFailed(f"{e}; {len(writer.done)} of {stream.num_lines} requests were written to stdout") from None
         raise RunFailed(f"{e}; {len(writer.done)} of {stream.num_lines} requests are in {output}: run the same "
                         "command again to resume") from None
 
 
 def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None, quiet: bool, console: Console,
-            stop, inputs: tuple[Path, ...], wall: float) -> int:
+            stop, inputs: tuple[Path, ...], wall: float, started_at: str | None = None) -> int:
     """After the run: the output in input order (or closed, if stopped), the report, the summary, the exit code."""
     change = stream.snapshot.change()
     if change:  # the outputs answer the snapshot, not the file as it is now: said, even with --quiet
@@ -270,11 +280,13 @@ def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None
         writer.finalize()
 
     report = report_file = None
+    to_stdout = is_stdout(output)
     if recipe.output.report:
-        from pagedrun.report.report import write_report
+        from pagedrun.report.report import add_run_metadata, write_report
 
         report = count_records(executor.report(wall, interrupted), writer)
-        report_file = write_report(report, output)
+        add_run_metadata(report, run_metadata(recipe, executor, started_at))
+        report_file = None if to_stdout else write_report(report, output)  # -o -: the summary only
         if plot is not None and executor.plots:
             try:
                 executor.plot(plot, output, inputs)
@@ -285,15 +297,33 @@ def _finish(executor, stream, writer, *, recipe, output: Path, plot: Path | None
     if not quiet:
         print_summary(console, executor.results, wall, output, executor.summary(console, report),
                       (writer.written, writer.written_errors))
-        if report is not None:
+        if report_file is not None:
             drawn = f", plot: {plot}" if plot is not None and executor.plots else ""
             console.print(f"report: {report_file}{drawn}", highlight=False)
+    if interrupted and to_stdout:
+        console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests were "
+                      "written to stdout (-o - cannot be resumed)", style="yellow", highlight=False,
+                      soft_wrap=True, markup=False)
+        return stop.exit_code
     if interrupted:
         console.print(f"stopped by {stop.signal_name}: {len(writer.done)} of {stream.num_lines} requests are in "
                       f"{output}; run the same command again (without --overwrite) to resume", style="yellow",
                       highlight=False, soft_wrap=True, markup=False)
         return stop.exit_code
     return job_exit_code(writer, stream.num_lines, output, console)
+
+
+def run_metadata(recipe, executor, started_at: str | None) -> dict:
+    """The report's `run`: what ran where and when (report/report.py describes it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("pagedrun")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ours = None
+    info = executor.model_info() if hasattr(executor, "model_info") else {}
+    return {"model": model_name(recipe), **info, "pagedrun_version": ours, "machine": executor.machine(),
+            "recipe": recipe.to_dict(), "started_at": started_at, "ended_at": timestamp()}
 
 
 def count_records(report: dict, writer) -> dict:

@@ -54,7 +54,10 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
         fit = {"path": str(prompts), "num_invalid": len(invalid), **requests_fit(blocks, engine.memory.num_gpu_blocks).__dict__}
     model = {"path": str(engine.worker.model_dir), "architecture": engine.model_config.architecture,
              "dtype": llm.recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
-             "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim}
+             "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim,
+             # All experts stay resident (weights_bytes counts them); a token computes with the active ones.
+             "num_parameters": engine.model_config.num_parameters(),
+             "active_parameters": engine.model_config.active_parameters()}
     data = plan_json(engine.memory, recipe, fit, model=model)
     data["derived"]["kv_cache_dtype"] = engine.worker.kv_spec.name
     data["kv_dtypes"] = kv_dtype_rows(engine.memory, engine.model_config, engine.worker.dtype, engine.worker.kv_spec.name)
@@ -165,7 +168,13 @@ def plan_table(d: dict) -> Table:
                   "cudaMemGetInfo, weights loaded" if cuda else "MemAvailable, weights loaded")
         t.add_row("free after profile", b(m["device_free_after_bytes"]), M,
                   "after empty_cache" if cuda else "MemAvailable")
-        t.add_row("weights", b(x["weights_bytes"]), D, "parameters + buffers")
+        md0 = d["model"] or {}
+        params = ""
+        if md0.get("num_parameters"):
+            params = f"; {md0['num_parameters'] / 1e6:,.1f}M parameters"
+            if md0["active_parameters"] != md0["num_parameters"]:
+                params += f", {md0['active_parameters'] / 1e6:,.1f}M active per token (all experts resident)"
+        t.add_row("weights", b(x["weights_bytes"]), D, "parameters + buffers" + params)
         t.add_row("activation peak", b(m["activation_peak_bytes"]), M,
                   f"{m['profile_tokens']} tokens in {m['profile_seqs']} seqs + sampler, {m['profile_seconds']:.2f}s; "
                   f"{m['method']}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pagedrun.errors import PagedrunError, echo
+from pagedrun.models.moe_config import MOE_ARCHITECTURES, MoEConfig, parse_moe
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",  # its text model only: the vision tower's weights are skipped
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini: Llama with fused q/k/v and gate/up on disk
     "GraniteForCausalLM",  # Llama plus four scalar multipliers
+    *MOE_ARCHITECTURES,
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # transformers' Gemma2Config and Gemma3TextConfig defaults, for the fields pagedrun reads: Google's
@@ -40,6 +42,11 @@ _GEMMA_DEFAULTS = {
 }
 _GEMMA3_DEFAULTS = {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                     "final_logit_softcapping": None, "attn_logit_softcapping": None}
+# transformers' GptOssConfig defaults, for the fields pagedrun reads that a config may leave out.
+_GPT_OSS_DEFAULTS = {"sliding_window": 128, "attention_bias": True, "rope_theta": 150000.0, "head_dim": 64,
+                     "rms_norm_eps": 1e-5}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # No size of a real model comes near this; a larger one is a broken config, refused before any
@@ -101,6 +108,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # Mixture of experts (models/moe_config.py); None: every layer's MLP is dense.
+    moe: MoEConfig | None = None
+    qk_norm_whole: bool = False  # OLMoE: q_norm / k_norm over the whole projected q and k, not per head
+    clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (0: off)
+    # GPT-OSS: a learned logit per head joins each softmax's denominator (self_attn.sinks)
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -185,6 +198,10 @@ class ModelConfig:
                 raise err("text_config", f"expected an object, got {echo(d.get('text_config'))}")
             d, prefix = d["text_config"], "text_config."
         gemma = arch in GEMMA_ARCHITECTURES
+        if arch == "GptOssForCausalLM":
+            d = {**_GPT_OSS_DEFAULTS, **d}
+            if d.get("rope_parameters") is None and d.get("rope_scaling") is None:
+                d["rope_parameters"] = dict(_GPT_OSS_ROPE)  # transformers' GptOssConfig fills it so
         if gemma:
             d = {**(_GEMMA_DEFAULTS if arch == "Gemma2ForCausalLM" else _GEMMA3_DEFAULTS), **d}
             if arch == "Gemma3ForConditionalGeneration" and "eos_token_id" in top:  # its own ids first
@@ -225,6 +242,10 @@ class ModelConfig:
         # Phi-3's projections never have biases (transformers' Phi3 reads no attention_bias).
         attention_bias = True if is_qwen2 else bool(d.get("attention_bias", False)) and arch != "Phi3ForCausalLM"
         o_proj_bias = False if is_qwen2 else attention_bias
+        if arch == "Qwen2MoeForCausalLM":  # q/k/v bias under its own name, none on o_proj
+            attention_bias, o_proj_bias = bool(d.get("qkv_bias", True)), False
+        moe = parse_moe(d, arch, num_layers, req("intermediate_size"), err) if arch in MOE_ARCHITECTURES else None
+        clip_qkv = positive("clip_qkv", None) if arch == "OlmoeForCausalLM" else None
         if arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
             mlp_bias = bool(d.get("mlp_bias", False))
         else:
@@ -240,6 +261,10 @@ class ModelConfig:
                 granite[name] = value
 
         sliding_window = d.get("sliding_window")
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+            if d.get("use_sliding_window", False):
+                raise err("use_sliding_window", "sliding-window attention is not supported for this architecture")
+            sliding_window = None  # Qwen2-MoE writes 0 for "off"
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window <= 0):
             raise err("sliding_window", f"expected a positive integer or null, got {echo(sliding_window)}")
@@ -305,7 +330,8 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                             "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             sliding_window=sliding_window,
             bos_token_id=bos,
             eos_token_id=eos_list,
@@ -321,6 +347,10 @@ class ModelConfig:
             final_logit_softcapping=final_softcap or 0.0,
             rotary_dim=rotary_dim,
             **granite,
+            moe=moe,
+            qk_norm_whole=arch == "OlmoeForCausalLM",
+            clip_qkv=clip_qkv or 0.0,
+            attention_sinks=arch == "GptOssForCausalLM",
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -328,7 +358,17 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     def num_parameters(self) -> int:
-        """Parameter count from the shapes (tied embeddings counted once)."""
+        """Parameter count from the shapes (tied embeddings counted once; every expert: all stay
+        resident)."""
+        return self._parameters(active=False)
+
+    def active_parameters(self) -> int:
+        """Parameters one token computes with: num_parameters() with each MoE block's experts cut to
+        the top_k it routes to (plus the router and any shared expert). num_parameters() for a dense
+        model."""
+        return self._parameters(active=True)
+
+    def _parameters(self, active: bool) -> int:
         h, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
@@ -339,12 +379,18 @@ class ModelConfig:
         if self.mlp_bias:
             per_layer += 2 * i + h
         if self.qk_norm:
-            per_layer += 2 * hd
+            per_layer += q + kv if self.qk_norm_whole else 2 * hd
         if self.is_gemma:
             per_layer += 2 * h  # pre_feedforward_layernorm, post_feedforward_layernorm
+        if self.attention_sinks:
+            per_layer += self.num_attention_heads
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * per_layer + h + lm_head
+        layers = self.num_hidden_layers * per_layer
+        if self.moe is not None:  # an MoE block in place of the dense MLP where the layer has one
+            sparse = self.moe.num_sparse_layers
+            layers += sparse * (self.moe.layer_parameters(h, active) - 3 * h * i - (2 * i + h) * self.mlp_bias)
+        return embed + layers + h + lm_head
 
 
 def _number(value: Any, key: str, err) -> float:
@@ -531,7 +577,7 @@ def _layer_types(d: dict[str, Any], arch: str, num_layers: int, sliding_window: 
     sliding_window_pattern-th; Qwen2/3: layers from max_window_layers on; Mistral: all)."""
     if sliding_window is None and arch not in GEMMA_ARCHITECTURES:
         return ["full_attention"] * num_layers
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         # transformers ignores a Mistral config's layer_types, and Phi-3's has none: one window for all
         return ["sliding_attention"] * num_layers
     given = d.get("layer_types")
@@ -541,7 +587,7 @@ def _layer_types(d: dict[str, Any], arch: str, num_layers: int, sliding_window: 
             raise err("layer_types", f"expected a list of {num_layers} (num_hidden_layers) of "
                                      f"{' / '.join(map(repr, LAYER_TYPES))}, got {echo(given)}")
         return list(given)
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if arch in GEMMA_ARCHITECTURES:
         pattern = d.get("sliding_window_pattern", 6)

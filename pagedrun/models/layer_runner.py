@@ -17,8 +17,10 @@ their two extra norms, their own RoPE tables per layer and GeGLU's kernel. Every
 PAGEDRUN_LAYER_RUNNER=0, runs the Python loop, which stays the reference
 (tests/models/test_layer_runner.py compares the two).
 
-Each layer's attention variant (sliding window, logit soft-cap) is read once from its attention
-module's `window` / `softcap` attributes (absent: 0, off). With one AttentionMetadata per layer (the
+Each layer's attention variant (sliding window, logit soft-cap, attention sinks) is read once from its
+attention module's `window` / `softcap` / `sinks` attributes (absent or None: off); sinks must then be
+a tensor of one entry per query head (read as contiguous float32 on the CPU: a copy, kept by the
+runner beside its pointer table, where the attribute is not already that). With one AttentionMetadata per layer (the
 hybrid KV manager's KV cache groups) the step passes each distinct metadata's block tables and slot
 mapping once (PrTables) and every layer the index of its own: the rest of the metadata is the same
 for all of them.
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.nn.modules import module as nn_module
 
-from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg
+from pagedrun.attention.cpu_kernels import DTYPE_CODES, int_arg, sink_arg
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.build import cpu as cpu_build
 from pagedrun.build.cache import load_library
@@ -59,7 +61,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
                                           "gate_up_b", "down_w", "down_b", "key_cache", "value_cache", "q_norm",
                                           "k_norm")]
-    _fields_ += [("window", _i32), ("softcap", _f32)]
+    _fields_ += [("window", _i32), ("softcap", _f32), ("sinks", _ptr)]
     _fields_ += [(name, _ptr) for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin")]
 
 
@@ -120,14 +122,15 @@ class LayerRunner:
         self._layers = None
         self._uniform = False  # every layer's caches have layer 0's shape (checked by _build)
         self._model_args = None
+        self._sinks: list[torch.Tensor] = []  # the layers' sinks the pointer table points at
         self._kernels = None
         self._status = ctypes.c_int(0)
 
     @classmethod
     def for_model(cls, model) -> LayerRunner | None:
         """A runner for a loaded model (weights packed), or None where it cannot apply."""
-        if model.dtype not in _DTYPES:
-            return None
+        if model.dtype not in _DTYPES or getattr(model.config, "moe", None) is not None:
+            return None  # MoE layers have no op in the runner yet: the Python layer loop runs them
         ops_lib = ops.load()
         if ops_lib is None or load() is None:
             return None
@@ -159,6 +162,7 @@ class LayerRunner:
             _address(attention["reshape_and_cache"]), _address(attention["decode"]), _address(attention["varlen"]),
             _address(self.ops_lib.op("head_" + norm, self.dtype)))
         rotary_of = getattr(self.model, "rotary_of", None)  # Gemma: each layer's RoPE tables
+        self._sinks = []
         layers = (_Layer * len(kv_caches))()
         for i, (row, layer, (key_cache, value_cache)) in enumerate(
                 zip(layers, self.model.model.layers, kv_caches, strict=True)):
@@ -183,6 +187,10 @@ class LayerRunner:
             if attn.qk_norm:  # null otherwise: the C loop skips the per-head norms
                 row.q_norm, row.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
             row.window, row.softcap = int(getattr(attn, "window", 0) or 0), float(getattr(attn, "softcap", 0.0) or 0.0)
+            sinks = sink_arg(getattr(attn, "sinks", None), self.num_heads)
+            if sinks is not None:
+                self._sinks.append(sinks)
+                row.sinks = sinks.data_ptr()
         key_cache = kv_caches[0][0]
         self._uniform = all(len(kv) == 2 and kv[0].shape == kv[1].shape == key_cache.shape for kv in kv_caches)
         rotary = self.model.rotary_emb

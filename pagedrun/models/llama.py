@@ -113,9 +113,10 @@ class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         # The layer's attention variant (pagedrun/attention/backend.py; 0 = off); the CPU layer runner
-        # reads the same two attributes.
+        # reads the same attributes.
         self.window = config.window_of(layer_idx)
         self.softcap = 0.0
+        self.sinks = None  # GPT-OSS: a float32 [num_heads] parameter of learned attention sinks
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -151,7 +152,7 @@ class LlamaAttention(DirectCall, nn.Module):
         # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
         key_cache, value_cache, *kv_scales = kv_cache
         out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, window=self.window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -171,12 +172,15 @@ class LlamaMLP(DirectCall, nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0, mlp: nn.Module | None = None,
+                 self_attn: nn.Module | None = None) -> None:
+        """`mlp`, `self_attn`: a family's own blocks in place of LlamaMLP / LlamaAttention (the MoE
+        families: models/moe_models.py), built by the caller."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, layer_idx)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, dtype, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype)
 
     def forward(self, positions, h, residual, rotary, kv_cache, meta, backend):
         """(h, residual) -> (h', residual'): the block's input is h + residual (just h in the first
@@ -191,12 +195,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, make_layer=None) -> None:
+        """make_layer(i): decoder layer i (default: LlamaDecoderLayer's)."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers)
-        )
+        make_layer = make_layer or (lambda i: LlamaDecoderLayer(config, dtype, i))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -296,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered once."""
-        params = dict(self.named_parameters())
+        params = self.named_weights()
         # What must arrive: for fused params one entry per shard, else one per parameter.
         expected: dict[tuple[str, int | None], str] = {}
         for name in params:
@@ -335,6 +339,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise PagedrunError(f"missing tensors: {', '.join(missing[:3])}{more}")
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters load_weights fills by name (a family loading some itself leaves them out)."""
+        return dict(self.named_parameters())
 
     def _shard(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
         """The slice of a fused parameter (along the output dim) that one HF tensor fills."""

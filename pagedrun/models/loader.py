@@ -1,5 +1,6 @@
 """Load an HF model directory (config.json + *.safetensors) into our LlamaForCausalLM (the Llama
-family), GemmaForCausalLM (Gemma 2, Gemma 3's text model), Phi3ForCausalLM or GraniteForCausalLM.
+family), GemmaForCausalLM (Gemma 2, Gemma 3's text model), Phi3ForCausalLM, GraniteForCausalLM or
+MoEForCausalLM (the MoE families).
 
 Weights are read with safetensors directly, tensor by tensor, and cast to the requested dtype while
 they are copied into place; transformers is used only for the tokenizer, with trust_remote_code=False,
@@ -17,13 +18,16 @@ import torch
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
+from pagedrun.models.gpt_oss import GptOssForCausalLM
 from pagedrun.models.granite import GraniteForCausalLM
 from pagedrun.models.llama import LlamaForCausalLM
+from pagedrun.models.moe_models import MoEForCausalLM
 from pagedrun.models.phi3 import Phi3ForCausalLM
 from pagedrun.models.shapes import check_config_matches_weights
 
 # The families with a class of their own beside Llama's and Gemma's.
-_MODEL_CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "GraniteForCausalLM": GraniteForCausalLM}
+_MODEL_CLASSES = {"Phi3ForCausalLM": Phi3ForCausalLM, "GraniteForCausalLM": GraniteForCausalLM,
+                  "GptOssForCausalLM": GptOssForCausalLM}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -107,7 +111,8 @@ def load_model(
     config = read_config(model_dir, max_model_len)
     files = safetensors_files(model_dir)
     check_config_matches_weights(config, files, model_dir)  # before allocating what config.json claims
-    model_class = _MODEL_CLASSES.get(config.architecture, GemmaForCausalLM if config.is_gemma else LlamaForCausalLM)
+    model_class = _MODEL_CLASSES.get(config.architecture, MoEForCausalLM if config.moe else
+                                     GemmaForCausalLM if config.is_gemma else LlamaForCausalLM)
     model = model_class(config, dtype=dtype, device=device)
     try:
         model.load_weights(iter_safetensors(files, config.text_tensor_name))

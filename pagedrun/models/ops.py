@@ -68,6 +68,13 @@ class CpuModelOps:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = _int, argtypes
                 self._ops[name, dtype] = fn
+        # The MoE block's experts (models/moe.py): dispatch, both GEMMs per active expert, weighted sum.
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"moe_experts_{suffix}")
+            fn.restype = _int
+            fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                           _int, _ptr, _i64, _int]
+            self._ops["moe_experts", torch.float32 if suffix == "f32" else torch.bfloat16] = fn
         # Gemma's norms on bf16 rows with a float32 weight (1 + w): the product rounded once.
         for name, argtypes in (("rms_norm", [_ptr] * 4 + [_i64] * 5 + [_f32, _int]),
                                ("head_rms_norm", [_ptr] * 3 + [_i64] * 5 + [_f32, _int])):
@@ -135,6 +142,16 @@ def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
 def _rows(x: torch.Tensor) -> bool:
     """2-D with contiguous rows: the layout every kernel takes (any row stride)."""
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+
+
+def packing_panel(dtype: torch.dtype, device: torch.device) -> int | None:
+    """The panel width pack_weight would pack a weight of this dtype on this device with, or None
+    where it would keep it plain (kernels off or unavailable, not float32 / bfloat16, not the CPU).
+    For weights packed as they are loaded (FusedMoE's experts)."""
+    if not _enabled or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
+        return None
+    kern = load()
+    return None if kern is None else kern.panel
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -424,3 +441,32 @@ def gate_up_gelu(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     if out is not None:
         return out
     return gelu_tanh_and_mul(linear_packed(x, packed, bias, 2 * intermediate), block=packed.shape[2])
+
+
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                b13: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                intermediate: int) -> torch.Tensor | None:
+    """The MoE block's experts in one kernel call (model_ops_cpu.cpp, moe_experts): x [T, H], each
+    token's k expert ids [T, k] (ascending) and weights [T, k] (float32, or the model's dtype: then
+    rounded so before the product), every expert's w13 and w2 packed as a dense layer's
+    (pack_gate_up, pack_weight) and stacked [E, ...]. None where the kernel does not run (torch
+    then: FusedMoE.torch_experts)."""
+    kern = _kernels_for(x, w13, w2)
+    if kern is None or not _rows(x) or w13.dim() != w2.dim() or w13.dim() != (5 if x.dtype is torch.bfloat16 else 4):
+        return None
+    if not (w13.is_contiguous() and w2.is_contiguous() and expert_ids.dtype is torch.long and expert_ids.is_cpu):
+        return None
+    for b in (b13, b2):
+        if b is not None and (b.dtype is not x.dtype or not b.is_contiguous()):
+            return None
+    t, h = x.shape
+    k = expert_ids.shape[1]
+    ids = expert_ids.contiguous()
+    w = weights.float().contiguous()
+    words = 2 if x.dtype is torch.bfloat16 else 1  # the kernel steps bf16 weights in 32-bit pairs
+    out = torch.empty(t, h, dtype=x.dtype)
+    rc = kern.op("moe_experts", x.dtype)(
+        x.data_ptr(), x.stride(0), t, h, ids.data_ptr(), w.data_ptr(), k, w13.shape[0], w13.data_ptr(),
+        0 if b13 is None else b13.data_ptr(), w13.stride(0) // words, w2.data_ptr(),
+        0 if b2 is None else b2.data_ptr(), w2.stride(0) // words, intermediate, int(weights.dtype is torch.float32), out.data_ptr(), h, torch.get_num_threads())
+    return out if rc == 0 else None

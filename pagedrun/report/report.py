@@ -171,6 +171,12 @@ def _contiguous(reserved: list[int], logical: list[int], bytes_per_token: int, m
 
 # Dotted path prefix -> (kind, how). The longest matching prefix wins.
 _PROVENANCE: dict[str, tuple[str, str]] = {
+    "run": (M, "what ran: the model (its id or folder), pagedrun's version, the device, the recipe as "
+               "resolved (every default filled in), and the UTC times the run started and ended"),
+    "run.recipe": (M, "the recipe as resolved: every key, defaults filled in"),
+    "run.parameters": (D, "the model's parameters, from config.json's sizes (tied embeddings once; every expert)"),
+    "run.active_parameters": (D, "the parameters one token computes with: an MoE block's top-k experts only "
+                                 "(equal to parameters for a dense model)"),
     "interrupted": (M, "the run was stopped by a signal"),
     "cpu_kernels": (M, "whether the C++ CPU kernels (pagedrun/build/cpu.py) loaded: on, or off and why; "
                        "null on a GPU"),
@@ -258,17 +264,38 @@ def _pages_committed(engine, block_bytes: int) -> dict:
 
 
 def _provenance(report: dict) -> dict[str, str]:
+    """One entry per described part of the report (the longest prefix of _PROVENANCE that covers
+    each number), not one per number: the map says the same in a fraction of the bytes."""
     out = {}
     for path in _leaves(report):
-        parts = path.split(".")
-        for i in range(len(parts), 0, -1):
-            hit = _PROVENANCE.get(".".join(parts[:i]))
-            if hit:
-                out[path] = f"{hit[0]}: {hit[1]}"
-                break
-        else:
+        if path.startswith("provenance"):
+            continue
+        prefix = provenance_prefix(path)
+        if prefix is None:
             raise KeyError(f"report field {path} has no provenance")  # caught by the tests
+        out[prefix] = f"{_PROVENANCE[prefix][0]}: {_PROVENANCE[prefix][1]}"
     return out
+
+
+def provenance_prefix(path: str) -> str | None:
+    """The _PROVENANCE key that describes a dotted report path (the longest prefix), or None."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in _PROVENANCE:
+            return ".".join(parts[:i])
+    return None
+
+
+def add_run_metadata(report: dict, run: dict) -> dict:
+    """The run's identity (report["run"]: model, version, device, recipe, timestamps), added once the
+    job knows it, with the provenance map brought up to date."""
+    report["run"] = run
+    if report.get("mode") == "ray":  # cli/ray/merge.py's report: its provenance map is its own
+        report["provenance"]["run"] = "measured: " + _PROVENANCE["run"][1] + " (the driver's machine; each "\
+                                      "replica's device is in its entry)"
+    else:
+        report["provenance"] = _provenance(report)
+    return report
 
 
 def write_report(report: dict, output: Path) -> Path:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrun.errors import PagedrunError
+from pagedrun.models.moe import worst_case_routing
 
 # Decoder layers the pass runs. Every layer has the same shapes and frees its intermediates before
 # the next one starts (only h and the residual cross a layer), so the peak of the first layers is
@@ -175,11 +176,16 @@ class ProfileTooLarge(PagedrunError):
 def profile_floor_bytes(model_cfg, lens: list[int], block_size: int, dtype: torch.dtype, num_layers: int) -> int:
     """What the profile pass allocates at the least: its K/V blocks (exact) and, per token, the ids and the
     tensors that live together inside a layer's MLP: residual, normed input, the activation's output (the
-    CPU kernel fuses gate and up into it)."""
+    CPU kernel fuses gate and up into it); in an MoE block, its top_k rows of input, activation and
+    output (MoEConfig.activation_elems_per_token), whichever is more."""
     elem = torch.empty((), dtype=dtype).element_size()
     blocks = sum(-(-(n + 1) // block_size) for n in lens)
     kv = 2 * num_layers * blocks * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
-    per_token = _INDEX_BYTES_PER_TOKEN + elem * (2 * model_cfg.hidden_size + model_cfg.intermediate_size)
+    mlp = model_cfg.intermediate_size
+    moe = getattr(model_cfg, "moe", None)
+    if moe is not None:
+        mlp = max(mlp, moe.activation_elems_per_token(model_cfg.hidden_size))
+    per_token = _INDEX_BYTES_PER_TOKEN + elem * (2 * model_cfg.hidden_size + mlp)
     return kv + per_token * sum(lens)
 
 
@@ -267,12 +273,14 @@ def _run_profile(model, model_cfg, backend, lens: list[int], num_layers: int, *,
     sampler = Sampler(0)  # its own generator: the profile draws nothing from the run's streams
 
     def step() -> None:
+        # MoE layers route every step so that every expert is active (moe.worst_case_routing): the
+        # peak then covers any routing a real step brings, not what these dummy tokens happen to pick.
         # A prefill step, then a decode step of the same sequences: on a GPU each path loads its own
         # kernels on first launch (CUDA loads code lazily; cuBLAS picks other kernels for few rows),
         # and what is loaded stays in use beside the KV cache. On an H200, with the prefill alone the
         # run used more than gpu_memory_utilization allowed once it decoded
         # (docs/log/2026-11-26-h200-first-session.md).
-        with _first_layers(model, num_layers):
+        with _first_layers(model, num_layers), worst_case_routing():
             for batch in (inputs, decode) if decode else (inputs,):
                 logits = runner.execute(batch)
                 sampler(logits, [SamplingRow(params, None) for _ in batch])

@@ -30,10 +30,11 @@ class Case:
     """(context_len, query_len) per sequence, laid out in a NaN-filled paged cache."""
 
     def __init__(self, seqs, block_size, heads, kv_heads, head_dim, seed=0, dtype=torch.float32,
-                 num_pad_tokens=0, fused_qkv=False, window=0, softcap=0.0):
+                 num_pad_tokens=0, fused_qkv=False, window=0, softcap=0.0, sinks=None):
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.dtype, self.block_size, self.window, self.softcap = dtype, block_size, window, softcap
+        self.sinks = sinks  # float32 [heads] or None
         num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
         ids = list(range(num_blocks))
         rng.shuffle(ids)
@@ -96,7 +97,7 @@ class Case:
     def run(self, use_cpu_kernel=True):
         backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
         out = backend.forward(self.query, self.key, self.value, self.key_cache, self.value_cache, self.meta,
-                              self.scale, window=self.window, softcap=self.softcap)
+                              self.scale, window=self.window, softcap=self.softcap, sinks=self.sinks)
         expected = "torch" if use_cpu_kernel is False else "cpu_kernel"
         assert backend.last_path == expected, backend.cpu_kernel_error
         return out
@@ -105,7 +106,7 @@ class Case:
         out = self.run(use_cpu_kernel)
         assert out.shape == self.query.shape and out.dtype == self.dtype
         assert_matches_reference(out, self.queries, self.keys, self.values, self.context_lens, self.scale, atol,
-                                 self.window, self.softcap)
+                                 self.window, self.softcap, self.sinks)
         assert torch.equal(out[self.num_real :], torch.zeros_like(out[self.num_real :])), "padding rows not zero"
         return out
 

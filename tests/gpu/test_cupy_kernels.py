@@ -49,7 +49,7 @@ def gpu_kernels(dtype: str) -> dict[K.KernelVariant, K.PagedKernels]:
 
 
 def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None, window: int = 0,
-            softcap: float = 0.0) -> tuple[np.ndarray, str]:
+            softcap: float = 0.0, sinks: np.ndarray | None = None) -> tuple[np.ndarray, str]:
     import cupy
 
     ker = gpu_kernels(case.variant.dtype)[case.variant]
@@ -58,18 +58,19 @@ def run_gpu(case: T.Case, version: str | None, max_seq_len: int | None = None, w
     used = ker.paged_attention(
         out, d["query"], d["key_cache"], d["value_cache"], d["block_tables"], d["seq_lens_arr"],
         max_seq_len or case.max_seq_len, case.scale, version=version, window=window, softcap=softcap,
+        sinks=None if sinks is None else cupy.asarray(sinks),
     )
     cupy.cuda.get_current_stream().synchronize()
     return T.to_f64(cupy.asnumpy(out), case.variant.dtype), used
 
 
-def check(case: T.Case, version: str, window: int = 0, softcap: float = 0.0) -> None:
-    ref = case.reference(window, softcap)
-    gpu, used = run_gpu(case, version, window=window, softcap=softcap)
+def check(case: T.Case, version: str, window: int = 0, softcap: float = 0.0, sinks: np.ndarray | None = None) -> None:
+    ref = case.reference(window, softcap, sinks)
+    gpu, used = run_gpu(case, version, window=window, softcap=softcap, sinks=sinks)
     assert used == version
     T.assert_close(gpu, ref, case.variant.dtype, f"gpu {case.variant} {version} window {window} softcap {softcap}")
     if _emulator():
-        emu, _ = T.run_case(T.emu_kernels(case.variant.dtype)[case.variant], case, version, window, softcap)
+        emu, _ = T.run_case(T.emu_kernels(case.variant.dtype)[case.variant], case, version, window, softcap, sinks)
         # __expf and FMA contraction differ from the emulator's expf: compare at the dtype's tolerance
         T.assert_close(gpu, emu, case.variant.dtype, f"gpu vs emulator {case.variant} {version}")
 
@@ -106,6 +107,21 @@ def test_gpu_window_and_softcap(dtype, window, softcap):
         case = T.poison_below_window(T.make_case(variant, lens, 4, 2, seed=window + i), window)
         check(case, "v1", window, softcap)
         check(case, "v2", window, softcap)
+
+
+@pytest.mark.parametrize("dtype", T.DTYPES)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (128, 0.0), (600, 30.0)])
+def test_gpu_sinks(dtype, window, softcap):
+    """GPT-OSS's attention sinks (tests/attention/cuda/test_kernels_sinks.py) on the GPU: v1, and v2 whose
+    reduce adds each sink once (rows of one partition and of several), a dominant and a -40 sink."""
+    for i, variant in enumerate(T.v2_variants(dtype)):
+        lens = [1, 17, 128, 129, 512, 513, 1100, 1537]
+        case = T.make_case(variant, lens, 4, 2, seed=window + i)
+        if window:
+            T.poison_below_window(case, window)
+        sinks = np.array([1.5, 100.0, -40.0, -0.5], np.float32)
+        check(case, "v1", window, softcap, sinks)
+        check(case, "v2", window, softcap, sinks)
 
 
 def test_gpu_v1_above_48k_shared_memory():

@@ -17,7 +17,7 @@ from pagedrun.kv.block_pool import InvariantError
 from pagedrun.kv.block_table import NULL_BLOCK
 from pagedrun.kv.groups import KVCacheGroup, group_blocks, plan_groups
 from pagedrun.kv.hybrid import HybridKVCacheManager, make_kv_manager
-from pagedrun.kv.manager import KVCacheManager, NoFreeBlocksError
+from pagedrun.kv.manager import KVCacheManager
 
 # ---------------------------------------------------------------- grouping
 

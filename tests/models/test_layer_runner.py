@@ -167,3 +167,39 @@ def test_runner_windows_and_groups_give_the_loops_hidden_states(tmp_path, dtype)
     finally:
         backend.use_cpu_kernel = auto
     assert torch.isfinite(full).all() and (full.float() - fast.float()).abs().max() > 1e-2
+
+
+# Attention sinks (GPT-OSS): a float32 sink per query head on each layer's attention module (None:
+# off), whatever the model's dtype; the runner passes the layer's pointer to the attention kernels.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_sinks_give_the_loops_logits(tmp_path, dtype):
+    eng = _engine(tmp_path, "llama", dtype)
+    model = eng.worker.model
+    runner = model.layer_runner
+    heads = model.model.layers[0].self_attn.num_heads
+    gen = torch.Generator().manual_seed(1)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):  # the last layer keeps none: off where absent
+        if i < len(layers) - 1:
+            layer.self_attn.sinks = torch.nn.Parameter(torch.randn(heads, generator=gen) * 2, requires_grad=False)
+    runner._kv_key = None  # the layer table is rebuilt with the sinks
+    counter = _Counting(runner.lib)
+    runner.lib = type("Lib", (), {"run": staticmethod(counter)})()
+    for n, step in enumerate(STEPS, 1):
+        inputs = [ModelInput(ids, start, [table], sample=True) for ids, start, table in step]
+        fast = eng.worker.runner.execute(inputs)
+        assert counter.calls == n and eng.worker.backend.last_path == "cpu_kernel"
+        model.layer_runner = None
+        try:
+            slow = eng.worker.runner.execute(inputs)
+        finally:
+            model.layer_runner = runner
+        assert torch.isfinite(fast).all()
+        assert torch.equal(fast, slow), f"step {n}: max |diff| {(fast.float() - slow.float()).abs().max()}"
+    # The decode step again without the sinks (it rewrites its own slots only): other logits.
+    for layer in layers:
+        layer.self_attn.sinks = None
+    runner._kv_key = None
+    plain = eng.worker.runner.execute(inputs)
+    assert counter.calls == len(STEPS) + 1
+    assert (plain.float() - fast.float()).abs().max() > 1e-3

@@ -120,12 +120,14 @@ def test_preemptions_are_counted_and_outputs_unchanged(model_dir, tmp_path):
 
 
 def test_every_number_has_provenance(model_dir):
-    from pagedrun.report.report import _leaves
+    from pagedrun.report.report import _leaves, provenance_prefix
 
     _, r = run(make_llm(model_dir), distinct_prompts([5, 9]), max_tokens=3)
     leaves = [p for p in _leaves(r) if not p.startswith("provenance.")]
-    assert set(leaves) == set(r["provenance"])
+    # One entry per described part: every number's longest described prefix, and nothing else.
+    assert {provenance_prefix(p) for p in leaves} == set(r["provenance"])
     assert all(v.split(":")[0] in ("measured", "derived") for v in r["provenance"].values())
+    assert len(r["provenance"]) < len(leaves) / 2  # compact: not a line per number
     json.dumps(r)  # serialisable
 
 
@@ -155,3 +157,10 @@ def test_generate_cli_writes_report_and_plot(model_dir, tmp_path):
     assert rep["throughput"]["output_tokens"] == 6 and rep["prefix_cache"]["query_tokens"] == 17
     assert rep["blocks_in_use"]["peak"] == 1 + 2
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # What ran, where and when (issue 39): enough to tell two reports apart a month later.
+    run = rep["run"]
+    assert run["model"] == model_dir.name and run["pagedrun_version"] and run["machine"]["device"] == "cpu"
+    assert run["recipe"]["cache"]["block_size"] == 8 and run["recipe"]["model"]["max_model_len"] == 64
+    assert run["started_at"] <= run["ended_at"] and run["ended_at"].endswith("Z")
+    assert rep["provenance"]["run"].startswith("measured: ")
+    assert run["parameters"] == run["active_parameters"] > 0 and run["architecture"] == "LlamaForCausalLM"

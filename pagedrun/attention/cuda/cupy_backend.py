@@ -190,6 +190,7 @@ class CupyAttentionBackend:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
@@ -206,7 +207,7 @@ class CupyAttentionBackend:
                                               meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs,
                                               cache_views=(self._cache_view(key_cache),
                                                            self._cache_view(value_cache)),
-                                              window=window, softcap=softcap)
+                                              window=window, softcap=softcap, sinks=sinks)
         if version != "none":
             self.last_version = version
         return out

@@ -72,6 +72,7 @@ class EmulatedAttentionBackend:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
@@ -84,7 +85,8 @@ class EmulatedAttentionBackend:
         prefill = paged_step.prefill_mode(self.prefill, ker.variant)
         step = paged_step.cached(meta, key_cache.device, as_numpy, prefill, self.name)
         out, version = paged_step.forward(ker, step, as_numpy, query, key, value, key_cache, value_cache, meta, scale,
-                                          k_scales=ks, v_scales=vs, window=window, softcap=softcap)
+                                          k_scales=ks, v_scales=vs, window=window, softcap=softcap,
+                                          sinks=sinks)
         if version != "none":
             self.last_version = version
         return out

@@ -11,7 +11,9 @@ A quantized KV cache (issue 18) adds two float32 scale arrays to reshape_and_cac
 fp8 one element per layer (k_scale, v_scale), int8 one per (slot, kv head) beside the blocks.
 Sliding-window attention and logit soft-capping (issue 37) are two launch arguments of every attention
 kernel (window, softcap; 0 = off); a window shrinks what the v1/v2 choice, v2's grid and v1's shared
-memory are sized by to the keys a query can see (key_span).
+memory are sized by to the keys a query can see (key_span). Attention sinks (GPT-OSS) are a float32
+[num_heads] device array (None: off) given to v1 and to the v2 reduce, never to v2's partitions: the
+sink joins the softmax once.
 """
 from __future__ import annotations
 
@@ -239,13 +241,14 @@ class PagedKernels:
     def paged_attention(
         self, out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int,
         scale: float, version: str | None = None, alloc: Alloc | None = None, k_scales=None, v_scales=None,
-        group: int | None = None, *, window: int = 0, softcap: float = 0.0,
+        group: int | None = None, *, window: int = 0, softcap: float = 0.0, sinks=None,
     ) -> str:
         """out/query [num_seqs, num_heads, head_size]; seq i attends to its first seq_lens[i] cached tokens.
         k/v_scales: a quantized cache's float32 scales (see reshape_and_cache).
         window > 0: seq i's query (position seq_lens[i] - 1) sees only the last `window` of them, and
         the kernels read no block wholly below that (a placeholder's contents never matter);
-        softcap > 0: each logit becomes softcap * tanh(logit / softcap) before the softmax.
+        softcap > 0: each logit becomes softcap * tanh(logit / softcap) before the softmax;
+        sinks (float32 [num_heads] device array, None: off): head h's sink logit joins its softmax.
 
         max_seq_len must be >= every seq_lens entry: it sizes v1's shared memory and v2's grid.
         Returns the version launched ("v1" or "v2"); `version` forces one (tests, benchmarks), and
@@ -279,6 +282,9 @@ class PagedKernels:
         window, softcap = int(window), float(softcap)
         _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
         _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
+        _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
+                                 and c_contiguous_ignoring_size1(sinks)),
+               lambda: f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {list(sinks.shape)}")
         if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
             window = 0
         if version is None:
@@ -297,12 +303,12 @@ class PagedKernels:
             hi = min(num_seqs, lo + self.max_grid_y)
             rows = (out[lo:hi], query[lo:hi], block_tables[lo:hi], seq_lens[lo:hi])
             self._attention_launch(version, *rows, key_cache, value_cache, k_scales, v_scales, num_kv_heads,
-                                   q_stride, max_seq_len, scale, empty, group, window, softcap)
+                                   q_stride, max_seq_len, scale, empty, group, window, softcap, sinks)
         return version
 
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
                           k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group,
-                          window, softcap) -> None:
+                          window, softcap, sinks=None) -> None:
         v = self.variant
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         common = (
@@ -313,7 +319,8 @@ class PagedKernels:
         name = v.attention_name(version, group)
         if version == "v1":
             smem = v1_shared_mem(max_seq_len, head_size, v.block_size, group, window)
-            self.function(name, smem)((num_heads // group, num_seqs, 1), block, (out,) + common, shared_mem=smem)
+            self.function(name, smem)((num_heads // group, num_seqs, 1), block, (out,) + common + (sinks,),
+                                      shared_mem=smem)
             return
         parts = num_partitions(max_seq_len, window)
         exp_sums = empty((num_seqs, num_heads, parts), np.float32)
@@ -326,7 +333,8 @@ class PagedKernels:
         rsmem = reduce_shared_mem(parts)
         self.function(v.reduce_name, rsmem)(
             (num_heads, num_seqs, 1), block,
-            (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts), np.int32(window)), shared_mem=rsmem,
+            (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts), np.int32(window), sinks),
+            shared_mem=rsmem,
         )
 
     def _check_cache(self, key_cache, value_cache, k_scales, v_scales) -> None:

@@ -126,11 +126,12 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None,
             k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
             cache_views: tuple[Any, Any] | None = None, *, window: int = 0,
-            softcap: float = 0.0) -> tuple[torch.Tensor, str]:
+            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
     prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors.
     cache_views: the caches already wrapped (a backend may keep them: they live as long as it).
-    window / softcap: the layer's sliding window and logit cap (0: off), the backend contract's.
+    window / softcap / sinks: the layer's sliding window, logit cap and attention sinks (0 / None:
+    off), the backend contract's.
     Every kernel row is one query at position seq_len - 1 (a decode, or a prefill token's
     pseudo-sequence), so the kernels' per-row window is the contract's per-query one."""
     kc, vc = cache_views or (wrap(key_cache), wrap(value_cache))
@@ -149,14 +150,22 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             o = torch.empty_like(q)
         version = ker.paged_attention(wrap(o), wrap(q), kc, vc, step.block_tables, step.seq_lens,
                                       step.max_seq_len, float(scale), alloc=alloc, k_scales=ks, v_scales=vs,
-                                      window=window, softcap=softcap)
+                                      window=window, softcap=softcap,
+                                      sinks=None if sinks is None else wrap(sink_tensor(sinks, query)))
         if step.row_tokens is not None:
             out.index_copy_(0, step.row_tokens, o)
     if step.prefills:
         assert not ker.variant.quantized, "quantized caches take the kernel prefill path (prefill_mode)"
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
-                        meta.block_size, scale, window=window, softcap=softcap)
+                        meta.block_size, scale, window=window, softcap=softcap, sinks=sinks)
     return out, version
+
+
+def sink_tensor(sinks: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """sinks as the kernels read them: float32 [num_heads], contiguous, on the query's device."""
+    if sinks.numel() != query.shape[1]:
+        raise ValueError(f"sinks has {sinks.numel()} entries for {query.shape[1]} query heads")
+    return sinks.detach().to(query.device, torch.float32).contiguous()
 
 
 def heads_packed(x: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,12 @@ class RayRun:
         return merged_report(list(self.records.values()), self.results, wall_s=wall_s, driver_s=self.driver_s,
                              interrupted=interrupted)
 
+    def machine(self) -> dict:
+        """The driver's machine; each replica's device is in its own entry of the report."""
+        from pagedrun.report.machine import machine_info
+
+        return {**machine_info("ray driver", 0), "replicas": self.n}
+
     def summary(self, console: Console, report: dict | None) -> None:
         if report is not None:
             print_replicas(console, report)

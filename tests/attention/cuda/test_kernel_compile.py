@@ -311,16 +311,17 @@ WINDOW_ABI_VARIANTS = [K.KernelVariant("bfloat16", 128, 16, "auto", 4),
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_window_and_softcap_parameters(arch):
     """Sliding window and soft-capping (issue 37) are launch arguments: NVRTC compiles v1 and v2 (one head
-    and grouped, unquantized and fp8) with `int window, float softcap` last, and the v2 reduce with
-    `int window` last, as their mangled parameter lists say (...ii before them: max_num_blocks_per_seq,
-    q_stride; the reduce's max_num_partitions)."""
+    and grouped, unquantized and fp8) with `int window, float softcap` last (v1: then `const float* sinks`,
+    mangled as a back reference to the const float* of k_scales), and the v2 reduce with `int window`
+    then `const float* sinks` last, as their mangled parameter lists say (...ii before them:
+    max_num_blocks_per_seq, q_stride; the reduce's max_num_partitions)."""
     includes = _nvrtc_or_skip()
     names = list(dict.fromkeys(n for v in WINDOW_ABI_VARIANTS for n in v.name_expressions(("v1", "v2"))))
     out = nvrtc.compile_program(K.full_source(), names, arch, includes)
     assert set(out.lowered) == set(names) and "warning" not in out.log.lower(), out.log
     for name, sym in out.lowered.items():
-        tail = "PKiii" if "reduce" in name else "iiif"
-        assert sym.endswith(tail), f"{name}: {sym} does not end with {tail}"
+        tail = r"PKiii(PKf|S\w*_)" if "reduce" in name else r"iiif(PKf|S\w*_)" if "v1" in name else "iiif"
+        assert re.search(tail + "$", sym), f"{name}: {sym} does not end with {tail}"
 
 
 class _Recorder:
@@ -335,8 +336,9 @@ class _Recorder:
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_host_packs_window_and_softcap_with_the_kernels_types(version):
-    """window as np.int32 and softcap as np.float32, last, for v1 and v2; the reduce gets the window too
-    (CuPy packs whatever it is handed: a Python int or float would be 8 bytes)."""
+    """window as np.int32 and softcap as np.float32, last for v2 and before the sinks for v1; the reduce
+    gets the window too, then the sinks (CuPy packs whatever it is handed: a Python int or float would
+    be 8 bytes). The sinks go to v1 and the reduce only, never to v2's partitions."""
     import numpy as np
 
     v = WINDOW_ABI_VARIANTS[0]
@@ -346,11 +348,16 @@ def test_host_packs_window_and_softcap_with_the_kernels_types(version):
     cache = np.zeros((40, 16, 2, 128), np.uint16)
     tables = np.arange(80, dtype=np.int32).reshape(2, 40) % 40
     lens = np.array([600, 9], np.int32)
-    ker.paged_attention(q.copy(), q, cache, cache, tables, lens, 600, 0.1, version=version, window=520, softcap=30.0)
+    sinks = np.arange(8, dtype=np.float32)
+    ker.paged_attention(q.copy(), q, cache, cache, tables, lens, 600, 0.1, version=version, window=520, softcap=30.0,
+                        sinks=sinks)
     name, grid, args = rec.launches[0]
     assert name == v.attention_name(version, 4)  # 8 / 2 heads: the grouped kernel
+    if version == "v1":
+        assert args[-1] is sinks
+        args = args[:-1]
     assert type(args[-2]) is np.int32 and args[-2] == 520 and type(args[-1]) is np.float32 and args[-1] == 30.0
     if version == "v2":
         assert grid[2] == K.num_partitions(600, 520) == 2  # the window's keys touch two partitions
         rname, _, rargs = rec.launches[1]
-        assert rname == v.reduce_name and type(rargs[-1]) is np.int32 and rargs[-1] == 520
+        assert rname == v.reduce_name and type(rargs[-2]) is np.int32 and rargs[-2] == 520 and rargs[-1] is sinks

@@ -10,7 +10,8 @@ A mutant counts as caught when, on either schedule we run it under, the output i
 emulator error (EmuDeadlockError for divergent collectives). `caught_by` records, per schedule,
 what each one is expected to trip, so a weakened check shows up as a failing test. Mutants of the
 sliding window and soft-capping run on windowed cases whose keys below each window are NaN (an
-off-by-one that reads one key too many reads a NaN).
+off-by-one that reads one key too many reads a NaN); those of the attention sinks on cases with a sink
+per head about the logits' size (SINKS), v2's with sequences of one partition and of several.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ V2_SEQ_LENS = [1, 513, 1200, 700]  # several 512-token partitions
 # below a partition boundary, so v2 launches 3 of the sequence's 4 partitions.
 WINDOW_V1_SEQ_LENS = [19, 20, 21, 35, 36, 37, 1, 70]
 WINDOW_V2_SEQ_LENS = [1537, 1624, 1200, 601, 3]
+SINKS = np.array([1.5, -0.5, 2.5, 0.75], np.float32)  # GPT-OSS's learned sinks, one per query head
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Mutation:
     caught_by: tuple[tuple[str, str], ...]  # (schedule, "wrong" | "deadlock" | "missed")
     window: int = 0  # the launch's sliding window (its case: WINDOW_*_SEQ_LENS, placeholders NaN)
     softcap: float = 0.0
+    sinks: bool = False  # the launch takes SINKS
 
 
 MUTATIONS = [
@@ -162,6 +165,27 @@ MUTATIONS = [
         "return logit;",
         1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")), window=20, softcap=2.0,
     ),
+    Mutation(
+        "sink_dropped_v1",
+        "v1 never adds the sink's exp to the exp-sum (the sink's max alone stays)",
+        "for (int g = 0; g < GROUP; g++) exp_sum[g] += fast_exp(sinks[head0 + g] - qk_max[g]);",
+        "for (int g = 0; g < GROUP; g++) exp_sum[g] += 0.f;",
+        1, "v1", (("round_robin", "wrong"), ("greedy", "wrong")), sinks=True,
+    ),
+    Mutation(
+        "sink_per_partition",
+        "v2's reduce counts the sink once per partition, as partitions that each added it would",
+        "global_exp_sum += pagedrun::fast_exp(sinks[head_idx] - max_logit);",
+        "global_exp_sum += num_partitions * pagedrun::fast_exp(sinks[head_idx] - max_logit);",
+        1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")), sinks=True,
+    ),
+    Mutation(
+        "sink_skipped_by_one_partition_shortcut",
+        "the reduce copies a one-partition row as it is, sink or not",
+        "if (num_partitions == 1 && sinks == nullptr) {",
+        "if (num_partitions == 1) {",
+        1, "v2", (("round_robin", "wrong"), ("greedy", "wrong")), sinks=True,
+    ),
 ]
 CONTROL = Mutation("control", "unmutated source", "", "", 0, "v1", ())
 
@@ -226,13 +250,15 @@ def outcome(m: Mutation, schedule: str, version: str) -> str:
         case = T.poison_below_window(T.make_case(VARIANT, lens, 4, 2, seed=22), m.window)
     else:
         case = T.make_case(VARIANT, V1_SEQ_LENS if version == "v1" else V2_SEQ_LENS, 4, 2, seed=21)
+    sinks = SINKS if m.sinks else None
     try:
-        out, _ = T.run_case(ker, case, version, m.window, m.softcap)
+        out, _ = T.run_case(ker, case, version, m.window, m.softcap, sinks)
     except EmuDeadlockError:
         return "deadlock"
     except EmuError:
         return "error"
-    ok = np.isfinite(out).all() and T.rel_err(out, case.reference(m.window, m.softcap)) <= T.TOL[VARIANT.dtype]
+    ref = case.reference(m.window, m.softcap, sinks)
+    ok = np.isfinite(out).all() and T.rel_err(out, ref) <= T.TOL[VARIANT.dtype]
     return "ok" if ok else "wrong"
 
 
@@ -255,6 +281,12 @@ def test_control_passes_the_window_cases(emulator, version):
     for window, softcap in dict.fromkeys((m.window, m.softcap) for m in MUTATIONS if m.window and m.version == version):
         control = Mutation("control", "", "", "", 0, version, (), window, softcap)
         assert outcome(control, "round_robin", version) == "ok", (window, softcap)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_control_passes_the_sink_cases(emulator, version):
+    control = Mutation("control", "", "", "", 0, version, (), sinks=True)
+    assert outcome(control, "round_robin", version) == "ok"
 
 
 @pytest.mark.parametrize("m", MUTATIONS, ids=[m.id for m in MUTATIONS])

@@ -105,9 +105,10 @@ class Case:
     def empty_out(self, xp=np):
         return xp.empty(self.query.shape, dtype=self.query.dtype)
 
-    def reference(self, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    def reference(self, window: int = 0, softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         """float64 attention of each query over its first seq_len cached tokens: the last `window`
-        of them when window > 0, logits capped at softcap * tanh(logit / softcap) when softcap > 0."""
+        of them when window > 0, logits capped at softcap * tanh(logit / softcap) when softcap > 0,
+        head h's sinks[h] one more logit (a zero value vector) in its softmax when sinks is given."""
         d = self.variant.dtype
         q, kc, vc = to_f64(self.query, d), to_f64(self.key_cache, d), to_f64(self.value_cache, d)
         bs, D = self.variant.block_size, self.variant.head_size
@@ -124,8 +125,10 @@ class Case:
                 logits = k[:, h // group] @ q[s, h] * self.scale
                 if softcap > 0:
                     logits = softcap * np.tanh(logits / softcap)
-                p = np.exp(logits - logits.max())
-                out[s, h] = (p / p.sum()) @ v[:, h // group]
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(logits.max(), sink)
+                p = np.exp(logits - top)
+                out[s, h] = (p / (p.sum() + np.exp(sink - top))) @ v[:, h // group]
         return out
 
 
@@ -186,11 +189,11 @@ def make_case(
 
 
 def run_case(ker: K.PagedKernels, case: Case, version: str | None, window: int = 0,
-             softcap: float = 0.0) -> tuple[np.ndarray, str]:
+             softcap: float = 0.0, sinks: np.ndarray | None = None) -> tuple[np.ndarray, str]:
     out = case.empty_out()
     used = ker.paged_attention(
         out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens_arr,
-        case.max_seq_len, case.scale, version=version, window=window, softcap=softcap,
+        case.max_seq_len, case.scale, version=version, window=window, softcap=softcap, sinks=sinks,
     )
     return to_f64(out, case.variant.dtype), used
 
@@ -622,7 +625,7 @@ def build_step(spec: StepSpec, dtype: torch.dtype, head_size: int, block_size: i
 
 
 def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.zeros(query.shape, dtype=torch.float64)
     q64 = query.double()
     group = num_heads // num_kv_heads
@@ -636,7 +639,11 @@ def causal_reference(query, meta, full_k, full_v, scale, num_heads, num_kv_heads
                 logits = full_k[i][first:L, h // group] @ q64[starts[i] + j, h] * scale
                 if softcap > 0:
                     logits = softcap * torch.tanh(logits / softcap)
-                out[starts[i] + j, h] = torch.softmax(logits, 0) @ full_v[i][first:L, h // group]
+                if sinks is not None:  # one more logit, with a zero value vector (dropped after the softmax)
+                    probs = torch.softmax(torch.cat([logits, sinks[h : h + 1].double()]), 0)[:-1]
+                else:
+                    probs = torch.softmax(logits, 0)
+                out[starts[i] + j, h] = probs @ full_v[i][first:L, h // group]
     return out
 
 
