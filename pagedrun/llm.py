@@ -23,6 +23,7 @@ from pagedrun.engine.engine import LLMEngine
 from pagedrun.errors import PagedrunError
 from pagedrun.io.openai_batch import BatchJob
 from pagedrun.io.requests import InvalidRequest, LineChecker, LineFailure, Request, read_requests
+from pagedrun.models.model_defaults import apply_model_defaults
 from pagedrun.outputs import RequestOutput
 from pagedrun.report.metrics import RunTally, StepRecord
 from pagedrun.sampling_params import SamplingParams
@@ -48,6 +49,9 @@ class LLM:
                 raise PagedrunError("LLM(): overrides and engine arguments need a recipe path, not a Recipe")
         else:
             recipe = load_recipe(Path(recipe) if recipe is not None else None, [*overrides, *extra])
+        # dtype: auto and the model's generation_config.json (models/model_defaults.py); a no-op for
+        # a recipe the CLI already resolved.
+        recipe = apply_model_defaults(recipe)
         self.recipe = recipe
         self.engine = LLMEngine(recipe)
 

@@ -18,6 +18,9 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     # The sum of the sampled tokens' logprobs, when the request asked for logprobs (vLLM's field).
     cumulative_logprob: float | None = None
+    # finish_reason "length" under a structured_outputs constraint whose structure was not complete
+    # (cut-off JSON): the text is a prefix of a valid output, not one (pagedrun's field; vLLM has none).
+    structured_output_incomplete: bool = False
 
 
 @dataclass

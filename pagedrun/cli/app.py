@@ -43,6 +43,7 @@ VLLM_FLAGS = (
     ("enable_prefix_caching", Optional[bool], "--enable-prefix-caching/--no-enable-prefix-caching",
      "cache.enable_prefix_caching", None),
     ("seed", Optional[int], "--seed", "seed", "N"),
+    ("generation_config", Optional[str], "--generation-config", "model.generation_config", "auto|vllm|DIR"),
     ("disable_hybrid_kv_cache_manager", Optional[bool], "--disable-hybrid-kv-cache-manager",
      "cache.hybrid_kv (false)", None),
 )

@@ -19,8 +19,16 @@ def run_generate(*, prompts: Path, recipe_path: Path | None, output: Path, overr
                  skip_invalid: bool, plot: Path | None, quiet: bool, console: Console, stop, ray: bool = False,
                  ray_address: str | None = None, replicas: int | None = None,
                  log_interval_s: float | None = None) -> int:
+    from pagedrun.models.model_defaults import apply_model_defaults
+
     recipe = load_recipe(recipe_path, overrides)
-    if ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None:
+    on_ray = ray or ray_address is not None or replicas is not None or recipe.distributed.address is not None
+    # Before the job's fingerprint: the defaults the model contributes (generation_config.json,
+    # dtype: auto) are part of what the job is. Resolved here, once, for Ray too: every replica runs
+    # the same dtype (this machine's reading of auto; --dtype names another), and a job started
+    # locally resumes on Ray and the other way round.
+    recipe = apply_model_defaults(recipe)
+    if on_ray:
         # Data-parallel over a Ray cluster: the engines live in Ray actors (pagedrun/cli/ray/).
         from pagedrun.cli.ray import RayRun
 
@@ -102,14 +110,19 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     e = llm.engine
     m = e.memory
     cfg = e.model_config
+    dtype = str(e.worker.dtype).removeprefix("torch.")
+    defaults = getattr(llm.recipe, "model_defaults", None)
+    if defaults is not None and defaults.dtype_note:
+        dtype = f"{dtype} (dtype {defaults.dtype_note})"
     active = cfg.active_parameters()
     active = f" ({active / 1e6:.1f}M active)" if active != cfg.num_parameters() else ""
     console.print(
         f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params"
-        f"{active}, "
-        f"{e.recipe.model.dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
+        f"{active}, {dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )
+    if defaults is not None:
+        console.print(defaults.generation_line(), highlight=False, markup=False, soft_wrap=True)
     from pagedrun.report.report import cpu_kernels_status
 
     kernels = cpu_kernels_status(e)

@@ -53,7 +53,7 @@ def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompt
                                      engine.memory.block_size, engine.max_model_len) for r in requests]
         fit = {"path": str(prompts), "num_invalid": len(invalid), **requests_fit(blocks, engine.memory.num_gpu_blocks).__dict__}
     model = {"path": str(engine.worker.model_dir), "architecture": engine.model_config.architecture,
-             "dtype": recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
+             "dtype": llm.recipe.model.dtype, "num_layers": engine.model_config.num_hidden_layers,
              "num_kv_heads": engine.model_config.num_key_value_heads, "head_dim": engine.model_config.head_dim,
              # All experts stay resident (weights_bytes counts them); a token computes with the active ones.
              "num_parameters": engine.model_config.num_parameters(),

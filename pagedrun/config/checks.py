@@ -129,11 +129,12 @@ _kv_scale = float_check(f"a number in [{MIN_KV_SCALE:g}, {MAX_KV_SCALE:g}] (null
 CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "model": {
         "path": _non_empty_str,  # resolved in model_path
-        "dtype": _choice(("float32", "bfloat16", "float16"), _DTYPE_ALIASES),
+        "dtype": _choice(("auto", "float32", "bfloat16", "float16"), _DTYPE_ALIASES),
         "max_model_len": optional(int_check(lo=16, cap=MAX_MODEL_LEN)),
         "device": _choice(("auto", "cpu", "cuda")),
         "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
         "threads": optional(int_check(lo=1, cap=MAX_THREADS)),
+        "generation_config": _non_empty_str,  # resolved in generation_config_path
     },
     "cache": {
         "block_size": _choice(BLOCK_SIZES),
@@ -158,6 +159,9 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "fsync_interval_s": float_check("a number of seconds >= 0", lambda x: x >= 0),
         "report": bool_check,
     },
+    "structured_outputs": {
+        "disable_additional_properties": bool_check,
+    },
     "distributed": {
         "address": optional(_non_empty_str),
         "replicas": optional(int_check(lo=1, cap=MAX_REPLICAS)),
@@ -173,6 +177,21 @@ def model_path(v: str, base: Path) -> str:
     p = p if p.is_absolute() else base / p
     if not p.exists():
         raise InvalidValue(f'must be "{DEFAULT_MODEL}" or an existing model directory; {p} does not exist')
+    return str(p.resolve())
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
+
+def generation_config_path(v: str, base: Path) -> str:
+    """model.generation_config: auto | vllm (vLLM's words) | a folder holding a generation_config.json."""
+    if v in GENERATION_CONFIG_MODES:
+        return v
+    p = Path(v).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not (p / "generation_config.json").is_file():
+        raise InvalidValue(f"must be auto, vllm or a folder holding a generation_config.json; "
+                           f"{p / 'generation_config.json'} does not exist")
     return str(p.resolve())
 
 

@@ -27,6 +27,7 @@ ENGINE_ARGS = {
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "seed": "seed",
+    "generation_config": "model.generation_config",
 }
 # vLLM's switches that turn a recipe key off: name -> the key they set to `not value`.
 NEGATED_ARGS = {

@@ -35,6 +35,9 @@ from pagedrun.config.checks import (
     did_you_mean as _did_you_mean,
 )
 from pagedrun.config.checks import (
+    generation_config_path as _generation_config_path,
+)
+from pagedrun.config.checks import (
     model_path as _model_path,
 )
 from pagedrun.config.yaml_loader import DuplicateKey as _DuplicateKey
@@ -55,14 +58,27 @@ from pagedrun.sampling_params import (
 
 # ---------------------------------------------------------------- the recipe
 
+# generation_config.json's fields that are sampling defaults (vLLM's ModelConfig.get_diff_sampling_param)
+# -> the SamplingParams field each sets. A recipe's `sampling.<field>: null` leaves it to the model.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
+MODEL_DEFAULT_FIELDS = frozenset(GENERATION_CONFIG_FIELDS.values())
+
 @dataclass
 class ModelConfig:
     path: str = DEFAULT_MODEL  # "default" or a local HF directory (absolute after loading)
-    dtype: str = "float32"
+    # auto: the checkpoint's torch_dtype, a float32 one run in bfloat16 where the device has bf16
+    # arithmetic (CUDA, CPUs with avx512_bf16 or AMX), as vLLM does (models/model_defaults.py).
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: min(max_position_embeddings, 8192), decided at load
     device: str = "auto"
     attention_backend: str = "auto"
     threads: int | None = None  # None: torch's default
+    # auto: generation_config.json's sampling fields are the defaults of requests and of the recipe's
+    # sampling fields it leaves unset (vLLM's --generation-config auto); vllm: ignored; or a folder.
+    generation_config: str = "auto"
 
 
 @dataclass
@@ -107,6 +123,15 @@ class OutputConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    # vLLM's StructuredOutputsConfig key, on by default as xgrammar's strict mode is: a JSON Schema
+    # object allows no property it does not name unless it says so, an array no item past its
+    # prefixItems (structured/strict.py); false: JSON Schema's own rules. A request's
+    # structured_outputs may set it for itself.
+    disable_additional_properties: bool = True
+
+
+@dataclass
 class DistributedConfig:
     address: str | None = None  # None, "auto" or a Ray address
     replicas: int | None = None
@@ -121,24 +146,45 @@ class Recipe:
     output: OutputConfig = field(default_factory=OutputConfig)
     seed: int = 0  # seeds the global sampler RNG for requests without their own seed
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     source: Path | None = field(default=None, compare=False)  # the file it came from, if any
+    # The sampling keys the recipe, --set or an engine argument set (null: left to the model's
+    # generation config); None for a Recipe built in Python: its fields other than the defaults.
+    explicit_sampling: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    # What models/model_defaults.py resolved (dtype: auto, generation_config.json): None until then.
+    model_defaults: Any = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["source"]
+        for k in ("source", "explicit_sampling", "model_defaults"):
+            del d[k]
         return d
+
+    def sampling_set_by_recipe(self) -> frozenset[str]:
+        """The sampling fields the recipe itself decides, which the model's generation config leaves alone."""
+        if self.explicit_sampling is not None:
+            return self.explicit_sampling
+        default = SamplingParams().to_dict()
+        return frozenset(k for k, v in self.sampling.to_dict().items() if v != default[k])
 
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
         `output`, `distributed` and cache.hybrid_kv are left out: how often we fsync, whether a
         report is written, how many replicas share the work, or whether sliding layers free their
-        blocks changes no token.
+        blocks changes no token. model.generation_config is left out too: what it applied is in
+        `sampling` (once models/model_defaults.py resolved it), so a job is another job exactly when
+        a default it ran with changed, and a job started before the key existed still resumes.
         """
         d = self.to_dict()
         del d["output"]
         del d["distributed"]
         del d["cache"]["hybrid_kv"]
+        del d["model"]["generation_config"]
+        if d["structured_outputs"] == asdict(StructuredOutputsConfig()):
+            # The default, strict, is left out: a job started before the section existed resumes
+            # (its constrained requests, if any, run strict from then on: docs/guide/structured-outputs.md).
+            del d["structured_outputs"]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -146,6 +192,7 @@ class Recipe:
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "sampling": SamplingParams, "output": OutputConfig, "distributed": DistributedConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 _SCALARS = ("seed",)
 _TOP_KEYS = (*_SECTIONS, *_SCALARS)
@@ -162,6 +209,7 @@ class _Builder:
         defaults = Recipe().to_dict()
         self.values: dict[str, Any] = defaults
         self.origin: dict[str, str] = {}  # "section.key" -> error prefix of whatever set it last
+        self.explicit_sampling: set[str] = set()
 
     def set_top(self, key: Any, value: Any, where: Callable[[str], str], base: Path) -> None:
         if key in _SECTIONS:
@@ -183,10 +231,19 @@ class _Builder:
             if section == "sampling":
                 raise PagedrunError(f"{where(keypath)}: {unknown_sampling_field(key, 'key')}")
             raise PagedrunError(f"{where(keypath)}: unknown key{_did_you_mean(key, checks)}")
+        if section == "sampling" and key in MODEL_DEFAULT_FIELDS:
+            if value is None:  # null: the model's generation config decides, else pagedrun's default
+                self.values[section][key] = getattr(SamplingParams(), key)
+                self.explicit_sampling.discard(key)
+                self.origin.pop(keypath, None)
+                return
+            self.explicit_sampling.add(key)
         try:
             v = checks[key](value)
             if section == "model" and key == "path":
                 v = _model_path(v, base)
+            if section == "model" and key == "generation_config":
+                v = _generation_config_path(v, base)
         except InvalidValue as e:
             raise PagedrunError(f"{where(keypath)}: {e}{_got(where, value)}") from None
         if section:
@@ -211,7 +268,9 @@ class _Builder:
             output=OutputConfig(**v["output"]),
             seed=v["seed"],
             distributed=DistributedConfig(**v["distributed"]),
+            structured_outputs=StructuredOutputsConfig(**v["structured_outputs"]),
             source=source,
+            explicit_sampling=frozenset(self.explicit_sampling),
         )
 
 

@@ -90,8 +90,9 @@ class LLMEngine:
         it cannot read): that request fails, not the run."""
         try:
             if self.structured is None:
-                self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                          self.eos_token_ids)
+                self.structured = StructuredOutputManager(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                    strict=self.recipe.structured_outputs.disable_additional_properties)
             self.structured.add(seq_id, spec)
         except PagedrunError as e:
             return str(e)
@@ -256,7 +257,8 @@ class LLMEngine:
         completions = [
             CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
                              s.logprobs if with_logprobs else None,
-                             sum(e["logprob"] for e in s.logprobs) if with_logprobs else None)
+                             sum(e["logprob"] for e in s.logprobs) if with_logprobs else None,
+                             structured_output_incomplete=s.structured_incomplete)
             for i, s in enumerate(seqs)
         ]
         arrival = first.arrival_time

@@ -45,6 +45,9 @@ class Sequence:
     detok_prefix: int = 0
     detok_read: int = 0
     stop_text_cut: int | None = None  # length of the text to keep when a stop string matched
+    # Cut by max_tokens (or max_model_len) under a structured_outputs constraint before the grammar
+    # was complete: the output is not the structure asked for (structured/grammar.py).
+    structured_incomplete: bool = False
 
     @property
     def num_tokens(self) -> int:

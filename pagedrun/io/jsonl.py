@@ -18,10 +18,13 @@ def output_record(o: RequestOutput) -> dict:
     if o.error is not None:
         rec["error"] = o.error
         return rec
+    # structured_output_incomplete only when true: a cut-off constrained output says so.
     completions = [
         {k: v for k, v in (("index", c.index), ("text", c.text), ("token_ids", c.token_ids),
                            ("finish_reason", c.finish_reason), ("stop_reason", c.stop_reason),
-                           ("logprobs", c.logprobs)) if k != "logprobs" or v is not None}
+                           ("structured_output_incomplete", c.structured_output_incomplete or None),
+                           ("logprobs", c.logprobs)) if k not in ("logprobs", "structured_output_incomplete")
+                                                        or v is not None}
         for c in o.outputs
     ]
     if len(completions) == 1:

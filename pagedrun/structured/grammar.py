@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedrun.errors import PagedrunError
 from pagedrun.structured.params import kind_of
+from pagedrun.structured.strict import strict_schema
 
 INSTALL_HINT = 'pip install -e ".[structured]"  (or: pip install "llguidance>=1.0,<2")'
 _MAX_CACHED = 4096  # distinct constraints remembered; a batch has a handful, a hostile file many
@@ -49,11 +50,13 @@ def spec_key(spec: dict) -> str:
 _compiled: dict[str, tuple[str | None, str | None]] = {}  # spec key -> (llguidance grammar, error)
 
 
-def compile_spec(spec: dict) -> tuple[str | None, str | None]:
-    """(the llguidance grammar text, None) or (None, why the engine refuses it), cached.
+def compile_spec(spec: dict, strict: bool = True) -> tuple[str | None, str | None]:
+    """(the llguidance grammar text, None) or (None, why the engine refuses it), cached. `strict`:
+    the default of the spec's `disable_additional_properties` (structured/strict.py).
 
     Needs no tokenizer: a schema's problems are found when the request is read, naming its line."""
-    key = spec_key(spec)
+    strict = is_strict(spec, strict)
+    key = spec_key(spec) + ("" if strict else "|lenient")
     hit = _compiled.get(key)
     if hit is not None:
         return hit
@@ -65,6 +68,8 @@ def compile_spec(spec: dict) -> tuple[str | None, str | None]:
     try:
         if kind in ("json", "json_object"):
             schema = spec["json"] if kind == "json" else {"type": "object"}
+            if strict and kind == "json":
+                schema = strict_schema(schema)
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": flexible})
         elif kind == "regex":
             # \d and \w are ASCII, as in JSON Schema patterns (Rust's Unicode \d allows digits like 🯸).
@@ -87,6 +92,11 @@ def compile_spec(spec: dict) -> tuple[str | None, str | None]:
         _compiled.clear()
     _compiled[key] = (grammar, error)
     return grammar, error
+
+
+def is_strict(spec: dict, default: bool = True) -> bool:
+    """Whether a json spec is compiled strictly: its own disable_additional_properties, else `default`."""
+    return bool(spec.get("disable_additional_properties", default))
 
 
 def _short(msg: str) -> str:
@@ -161,8 +171,9 @@ class Grammar:
 class StructuredOutputManager:
     """The engine's grammars, keyed by sequence id (the scheduler never sees them)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], strict: bool = True):
         llguidance_module()
+        self.strict = strict  # the recipe's structured_outputs.disable_additional_properties
         import llguidance.hf
 
         if tokenizer is None:
@@ -182,10 +193,10 @@ class StructuredOutputManager:
     def add(self, seq_id: int, spec: dict) -> None:
         from llguidance import LLMatcher
 
-        key = spec_key(spec)
+        key = spec_key(spec) + ("" if is_strict(spec, self.strict) else "|lenient")
         initial = self._initial.get(key)
         if initial is None:
-            text, error = compile_spec(spec)
+            text, error = compile_spec(spec, self.strict)
             if error is not None:
                 raise PagedrunError(f"structured_outputs: {error}")
             initial = LLMatcher(self.ll_tokenizer, text, log_level=0)
@@ -216,7 +227,11 @@ class StructuredOutputManager:
         """Accept the sequence's new token. Once the grammar is complete only the stop token is
         allowed; when it is sampled the sequence ends, even under ignore_eos or min_tokens."""
         g = self.grammars.get(seq.seq_id)
-        if g is None or seq.is_finished:
+        if g is None:
+            return
+        if seq.is_finished:
+            if seq.finish_reason == "length":  # cut by max_tokens / max_model_len: is the structure whole?
+                seq.structured_incomplete = not self._complete_with(g, seq.token_ids[-1])
             return
         token = seq.token_ids[-1]
         if g.error is not None:  # the engine fails the request (error_of)
@@ -228,6 +243,22 @@ class StructuredOutputManager:
             return
         if token in self.eos_token_ids:  # allowed only where the grammar may end: it has ended
             seq.finish("stop", None)
+
+    @staticmethod
+    def _complete_with(g: Grammar, token: int) -> bool:
+        """Whether the grammar accepts the output as it stands with `token`, its last one, fed: a
+        finished sequence's matcher is not used again, so a refusal here fails nothing."""
+        if g.error is not None:
+            return False
+        try:
+            if g.matcher.is_stopped():
+                return True
+            if not g.matcher.consume_token(token):
+                return False
+            g.num_accepted += 1
+            return bool(g.matcher.is_accepting())
+        except Exception:
+            return False
 
     def fork(self, parent_id: int, child_id: int) -> None:
         g = self.grammars.get(parent_id)

@@ -4,7 +4,10 @@ vLLM's names (StructuredOutputsParams): exactly one of
     {"json": <JSON Schema object, or its text>}   {"regex": "..."}   {"choice": ["a", "b", ...]}
     {"grammar": "<Lark or GBNF/EBNF grammar>"}     {"json_object": true}
 plus, optionally, vLLM's `"disable_any_whitespace": true` (JSON without free whitespace between
-tokens: the layout is fixed, so a model cannot wander in spaces and newlines).
+tokens: the layout is fixed, so a model cannot wander in spaces and newlines) and
+`"disable_additional_properties": false` (a JSON Schema read by its own rules, extra properties
+allowed where it does not forbid them: structured/strict.py; default: the recipe's
+`structured_outputs.disable_additional_properties`, true).
 
 The value is kept as a plain dict in SamplingParams so that recipes, JSONL lines and --set all
 round-trip it; the grammar engine turns it into a grammar later (structured/engine.py).
@@ -15,7 +18,7 @@ import json
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-OPTIONS = ("disable_any_whitespace",)
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
 MAX_CHOICES = 10_000
 MAX_SPEC_CHARS = 1_000_000  # a schema or grammar larger than this is a mistake, not a constraint
 
@@ -38,10 +41,11 @@ def check_structured_outputs(v: Any) -> dict | None:
         raise SpecError(f"must have exactly one of {_kinds()}" + (f" (has {', '.join(given)})" if given else ""))
     kind = given[0]
     out: dict[str, Any] = {kind: _CHECKS[kind](v[kind])}
-    if "disable_any_whitespace" in v:
-        if not isinstance(v["disable_any_whitespace"], bool):
-            raise SpecError("disable_any_whitespace must be true or false")
-        out["disable_any_whitespace"] = v["disable_any_whitespace"]
+    for option in OPTIONS:
+        if option in v:
+            if not isinstance(v[option], bool):
+                raise SpecError(f"{option} must be true or false")
+            out[option] = v[option]
     return out
 
 

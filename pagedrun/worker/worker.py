@@ -65,8 +65,14 @@ class Worker:
         self.device = resolve_device(recipe.model.device)
         # Before the memory profile, so that it sees the heap the steps will use.
         self.malloc_tuning = tune_glibc_malloc() if self.device.type == "cpu" else None
-        self.dtype = DTYPES[recipe.model.dtype]
         self.model_dir = resolve_model_dir(recipe.model.path)
+        dtype = recipe.model.dtype
+        if dtype == "auto":  # a Recipe that did not come through LLM (models/model_defaults.py)
+            from pagedrun.models.model_defaults import resolve_auto_dtype
+
+            dtype, _ = resolve_auto_dtype(None if recipe.model.path == "default" else self.model_dir,
+                                          self.device.type)
+        self.dtype = DTYPES[dtype]
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config

@@ -74,7 +74,7 @@ def test_anchor_without_alias_still_loads(tmp_path):
 
 def test_huge_bad_value_is_echoed_cut(tmp_path):
     err = recipe_error(tmp_path, "model:\n  dtype: " + "x" * 500_000 + "\n")
-    assert err.startswith("recipe.yaml:2: model.dtype: must be one of float32, bfloat16, float16, got 'xxx")
+    assert err.startswith("recipe.yaml:2: model.dtype: must be one of auto, float32, bfloat16, float16, got 'xxx")
     assert err.endswith("'…")
 
 

@@ -22,6 +22,7 @@ FLAGS = [
     ("--no-enable-prefix-caching", None, False),
     ("--seed", "9", 9),
     ("--disable-hybrid-kv-cache-manager", None, False),  # sets cache.hybrid_kv to the opposite
+    ("--generation-config", "vllm", "vllm"),
 ]
 
 
@@ -70,3 +71,12 @@ def test_a_bad_flag_value_is_the_recipe_keys_one_line_error(tmp_path):
     assert res.exit_code == 2
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "cache.block_size" in lines[0], res.output
+
+
+def test_generation_config_takes_a_folder_and_refuses_one_without_the_file(monkeypatch, tmp_path):
+    (tmp_path / "generation_config.json").write_text("{}")
+    overrides = _captured(monkeypatch, "generate", "pagedrun.cli.generate.run_generate",
+                          ["p.jsonl", "--generation-config", str(tmp_path)])
+    assert load_recipe(None, overrides).model.generation_config == str(tmp_path.resolve())
+    res = CliRunner().invoke(app, ["profile-memory", "--generation-config", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "model.generation_config" in res.output and "generation_config.json" in res.output

@@ -27,7 +27,8 @@ def error_of(path, overrides=()) -> str:
 
 def test_builtin_defaults():
     r = load_recipe(None)
-    assert r.model.path == "default" and r.model.dtype == "float32" and r.model.max_model_len is None
+    assert r.model.path == "default" and r.model.dtype == "auto" and r.model.max_model_len is None
+    assert r.model.generation_config == "auto"
     assert (r.model.device, r.model.attention_backend, r.model.threads) == ("auto", "auto", None)
     c = r.cache
     assert (c.block_size, c.kv_cache_memory, c.gpu_memory_utilization, c.num_blocks) == (16, 0.25, 0.9, None)
@@ -92,7 +93,7 @@ distributed: {address: auto, replicas: 2}
     ("cache:\n  num_blocks: 0\n", "recipe.yaml: cache.num_blocks: must be an integer >= 1 or null, got 0"),
     ("cache:\n  swap_space: -1\n", "recipe.yaml: cache.swap_space: must be a number of GiB >= 0, got -1"),
     ("cache:\n  enable_prefix_caching: 1\n", "recipe.yaml: cache.enable_prefix_caching: must be true or false, got 1"),
-    ("model:\n  dtype: int8\n", "recipe.yaml: model.dtype: must be one of float32, bfloat16, float16, got 'int8'"),
+    ("model:\n  dtype: int8\n", "recipe.yaml: model.dtype: must be one of auto, float32, bfloat16, float16, got 'int8'"),
     ("model:\n  max_model_len: 8\n", "recipe.yaml: model.max_model_len: must be an integer >= 16 or null, got 8"),
     ("model:\n  device: tpu\n", "recipe.yaml: model.device: must be one of auto, cpu, cuda, got 'tpu'"),
     ("model:\n  attention_backend: flash\n",
@@ -272,6 +273,7 @@ def test_fingerprint_is_stable():
 @pytest.mark.parametrize("item", [
     "cache.block_size=32", "sampling.temperature=0.5", "seed=1", "model.dtype=bfloat16",
     "scheduler.max_num_seqs=8", "cache.enable_prefix_caching=false", "sampling.stop=[x]",
+    "structured_outputs.disable_additional_properties=false",
 ])
 def test_fingerprint_changes_with_settings(item):
     assert load_recipe(None, [item]).fingerprint() != load_recipe(None).fingerprint()
@@ -286,5 +288,18 @@ def test_fingerprint_ignores_output_settings():
 def test_to_dict_is_plain_data():
     import json
     d = load_recipe(None).to_dict()
-    assert set(d) == {"model", "cache", "scheduler", "sampling", "output", "seed", "distributed"}
+    assert set(d) == {"model", "cache", "scheduler", "sampling", "output", "seed", "distributed",
+                      "structured_outputs"}
     json.dumps(d)  # serialisable as is
+
+
+def test_null_leaves_a_sampling_default_to_the_model_and_only_those(tmp_path):
+    # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens: null = the model's
+    # generation_config.json, else pagedrun's default (models/model_defaults.py)
+    r = load_recipe(write(tmp_path, "sampling:\n  temperature: null\n  top_p: 0.9\n"))
+    assert r.sampling.temperature == 0.0 and r.explicit_sampling == {"top_p"}
+    r = load_recipe(None, ["sampling.temperature=0.5", "sampling.temperature=null"])  # a later null unsets
+    assert r.sampling.temperature == 0.0 and r.explicit_sampling == frozenset()
+    assert "sampling.n: must be an integer >= 1" in error_of(write(tmp_path, "sampling:\n  n: null\n"))
+    assert "model.generation_config: must be auto, vllm or a folder" in \
+        error_of(write(tmp_path, "model:\n  generation_config: nowhere\n"))
