@@ -86,6 +86,7 @@ class GemmaAttention(LlamaAttention):
         self.scale = config.query_pre_attn_scalar**-0.5
         self.window = config.window_of(layer)  # 0: full attention
         self.softcap = config.attn_logit_softcapping  # Gemma 2's; 0: off
+        self.sinks = None  # (GPT-OSS's; Gemma has none)
         # Gemma 3 picks the RoPE by the layer's type, even where its window covers the whole run.
         self.local_rope = bool(config.layer_types) and config.layer_types[layer] == "sliding_attention"
         self.qkv_proj = Linear(
