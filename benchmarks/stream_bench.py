@@ -121,10 +121,11 @@ def rewrite_only(workdir: Path, n: int, fmt: str, max_tokens: int) -> dict:
     for i in reversed(range(n)):
         cid = f"r{i}"
         writer.write({"id": job.line_id(cid), "custom_id": cid, "response": {"status_code": 200, "request_id": "x",
-                      "body": {"choices": [{"text": pad}]}}, "error": None}, request_key(job.line_id(cid)))
+                      "body": {"choices": [{"text": pad}]}}, "error": None}, request_key(job.line_id(cid)),
+                     input_line=i + 1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    writer.finalize(stream.order(writer.__contains__))
+    writer.finalize()  # in input order, from the lines the writes recorded
     rewrite_s = time.perf_counter() - t0
     writer.close()
     return {"lines": n, "output_mib": out.stat().st_size / 2**20, "peak_rss_before_rewrite_mib": before,
