@@ -39,6 +39,7 @@ from rich.progress import (
 
 from pagedrun.cli.progress_log import ProgressLog
 from pagedrun.errors import PagedrunError
+from pagedrun.sampling_params import guided_note
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
 EXIT_OK = 0  # every request has an output
@@ -168,6 +169,9 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
             console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
                           f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                           style="yellow", highlight=False, soft_wrap=True, markup=False)
+        for name, line in (stream.deprecated.items() if not quiet else ()):
+            console.print(f"{prompts.name}:{line}: {guided_note(name)}", style="yellow", highlight=False,
+                          soft_wrap=True, markup=False)
         log = ProgressLog.for_console(console, log_interval_s, quiet)
         return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
                     console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None),

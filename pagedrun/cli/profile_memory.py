@@ -72,9 +72,8 @@ def _batch_job(prompts: Path, recipe):
     import hashlib
 
     from pagedrun.cli.job import model_name
-    from pagedrun.io.openai_batch import BatchJob
-
     from pagedrun.io.input_files import read_input
+    from pagedrun.io.openai_batch import BatchJob
 
     sha = hashlib.sha256(read_input(Path(prompts), "prompts")).hexdigest()  # of the text (a .gz decompressed)
     return BatchJob(input_sha256=sha, model=model_name(recipe), created=0)

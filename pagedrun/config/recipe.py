@@ -42,6 +42,7 @@ from pagedrun.config.yaml_loader import Loader as _Loader
 from pagedrun.config.yaml_loader import one_line as _one_line
 from pagedrun.config.yaml_loader import read_yaml
 from pagedrun.errors import PagedrunError, clip, echo
+from pagedrun.sampling_params import LATER_FIELDS as LATER_SAMPLING_FIELDS
 from pagedrun.sampling_params import (
     InvalidValue,
     SamplingParams,
@@ -139,6 +140,11 @@ class Recipe:
         del d["output"]
         del d["distributed"]
         del d["cache"]["hybrid_kv"]
+        # Keys added after resume existed count only when set: a job started before them resumes.
+        default_sampling = SamplingParams().to_dict()
+        for name in LATER_SAMPLING_FIELDS:
+            if d["sampling"][name] == default_sampling[name]:
+                del d["sampling"][name]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 

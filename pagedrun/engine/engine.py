@@ -22,7 +22,7 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
 from pagedrun.outputs import CompletionOutput, RequestOutput
 from pagedrun.report.metrics import StepLog, StepRecord
-from pagedrun.sampling_params import SamplingParams
+from pagedrun.sampling_params import SamplingParams, bad_words_token_ids
 from pagedrun.structured.grammar import StructuredOutputManager
 
 
@@ -57,6 +57,7 @@ class LLMEngine:
         self.steps = StepLog()  # a StepRecord per step, stored by column
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
+        self._bad_words_cache: dict[tuple, tuple] = {}
         self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step
         self._last_stats = self._stats_snapshot()
 
@@ -99,6 +100,16 @@ class LLMEngine:
             return f"structured_outputs: the grammar engine failed: {' '.join(str(e).split())[:300]}"
         return None
 
+    def _bad_words_ids(self, sampling: SamplingParams) -> tuple:
+        """The token sequences of the request's bad_words, tokenized once per distinct list."""
+        if not sampling.bad_words or self.tokenizer is None:
+            return ()
+        key = tuple(sampling.bad_words)
+        got = self._bad_words_cache.get(key)
+        if got is None:
+            got = self._bad_words_cache[key] = bad_words_token_ids(sampling.bad_words, self.tokenizer)
+        return got
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed_early)
 
@@ -139,7 +150,8 @@ class LLMEngine:
             grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
             for k in range(fan):
                 row_of.append(r)
-                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar))
+                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar,
+                             self._bad_words_ids(group.sampling)))
             row_owner.append((s, fan, gens))
             r += 1
         return self.worker.execute(inputs, row_of, rows), row_owner
@@ -254,8 +266,8 @@ class LLMEngine:
         seqs = [s for grp in groups for s in grp.seqs]
         with_logprobs = first.sampling.logprobs is not None
         completions = [
-            CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
-                             s.logprobs if with_logprobs else None,
+            CompletionOutput(i, final_text(s, self.tokenizer, first.sampling), s.output_token_ids, s.finish_reason,
+                             s.stop_reason, s.logprobs if with_logprobs else None,
                              sum(e["logprob"] for e in s.logprobs) if with_logprobs else None)
             for i, s in enumerate(seqs)
         ]

@@ -30,6 +30,7 @@ class SamplingRow:
     # The sequence's token ids (prompt then output) and prompt length, read by the penalties only.
     history: tuple[list[int], int] = ((), 0)
     grammar: Any = None  # structured/grammar.Grammar of a constrained sequence: masks its logits
+    bad_words_ids: tuple = ()  # the token sequences of params.bad_words (bad_words_token_ids)
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
             apply_grammar_bitmasks(raw, constrained, [rows[i].grammar for i in constrained])
-        logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
+        logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows],
+                                 [r.bad_words_ids for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
         errors = dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE)
