@@ -31,6 +31,9 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     prompt: str | None = None  # the prompt's text when it was given as text (LLM.generate / chat)
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing precedes it),
+    # then {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]} (vLLM's list, pagedrun's entries).
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -136,7 +136,7 @@ class LLMEngine:
         self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
         inputs = [
             (s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples)
+             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples, _prompt_targets(s))
             for s in out.scheduled
         ]
         row_of, rows, row_owner = [], [], []
@@ -160,6 +160,13 @@ class LLMEngine:
         """Advance every scheduled sequence, append the sampled tokens (forking where a prompt asked
         for n), check stops, free what finished; the finished requests' outputs."""
         now = time.perf_counter()
+        if result is not None and result.prompt_logprobs:
+            for i, entries in result.prompt_logprobs.items():
+                s = out.scheduled[i]
+                if s.group.prompt_logprobs is None:  # position 0 has none: nothing precedes it
+                    s.group.prompt_logprobs = [None] * s.group.prompt_len
+                start = s.seq.num_computed_tokens + 1  # entries[k] is of prompt token start + k
+                s.group.prompt_logprobs[start : start + len(entries)] = entries  # a recompute: the same again
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.group.first_scheduled_time is None:
@@ -283,7 +290,9 @@ class LLMEngine:
         }
         return RequestOutput(first.request_id, first.index, first.seqs[0].token_ids[: first.prompt_len],
                              completions, first.num_cached_prompt_tokens,
-                             sum(grp.num_preemptions for grp in groups), metrics)
+                             sum(grp.num_preemptions for grp in groups), metrics,
+                             prompt_logprobs=(first.prompt_logprobs or [None] * first.prompt_len)
+                             if first.sampling.prompt_logprobs is not None else None)
 
     def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
         """An error record for a request that cannot run (None while a fanned-out one has children left)."""
@@ -340,6 +349,20 @@ class LLMEngine:
 
     def _occupancy(self) -> dict:
         return occupancy(self.scheduler.running, self.kv, self.max_model_len)
+
+
+def _prompt_targets(s) -> tuple[int, list[int]] | None:
+    """For a request with prompt_logprobs whose chunk holds positions that precede a prompt token:
+    (top-N, those next prompt tokens), the worker's input; else None. Position p's logits score
+    prompt token p + 1, so a chunk [a, b) scores prompt tokens a + 1 .. min(b, prompt_len - 1)."""
+    top_n = s.group.sampling.prompt_logprobs
+    if top_n is None or s.group.forked:
+        return None
+    a = s.seq.num_computed_tokens
+    end = min(a + s.num_new_tokens, s.seq.prompt_len - 1)
+    if end <= a:
+        return None
+    return top_n, s.seq.token_ids[a + 1 : end + 1]
 
 
 def _round(x: float) -> float:

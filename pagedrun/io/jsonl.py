@@ -30,6 +30,8 @@ def output_record(o: RequestOutput) -> dict:
         rec.update(c)
     else:
         rec["outputs"] = completions
+    if o.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = o.prompt_logprobs
     rec["cached_prompt_tokens"] = o.num_cached_prompt_tokens
     rec["num_preemptions"] = o.num_preemptions
     rec["metrics"] = o.metrics

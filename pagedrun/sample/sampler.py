@@ -42,6 +42,9 @@ class SampleResult:
     # Rows that had nothing to sample from (NaN or infinite logits after penalties and masks), and why: their
     # token is a placeholder the engine never appends; the request fails alone (engine.py).
     errors: dict[int, str] = field(default_factory=dict)
+    # Scheduled input index -> one entry per position of its chunk that precedes a prompt token
+    # (prompt_logprobs; filled in by the worker): {"token_id", "logprob", "rank", "top"}.
+    prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)
 
 
 UNSAMPLEABLE = ("sampling: no finite distribution to sample from (NaN or infinite logits after logit_bias, "
