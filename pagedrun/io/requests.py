@@ -271,13 +271,15 @@ class LineChecker:
         elif not value:
             raise LineError(_batch_field(req.kind), "empty prompt")
         try:
-            self._check_tokenizer(req.kind)
+            self._check_tokenizer(req.kind, req.chat)
         except LineError as e:
             raise LineError(_batch_field(req.kind), e.message) from None
         if req.model is not None and req.model != self.batch_job.model:
             self.other_models.setdefault(req.model, lineno)
+        if req.deprecated is not None:
+            self.deprecated.setdefault(req.deprecated, lineno)
         return LineSpec(self.batch_job.line_id(req.batch.custom_id), lineno, req.kind, value, sampling,
-                        batch=req.batch, model=req.model)
+                        batch=req.batch, model=req.model, chat=req.chat)
 
     def _sampling(self, overrides: dict[str, Any], lineno: int, structured_field: str) -> SamplingParams:
         # Building SamplingParams is most of a line's check
