@@ -134,6 +134,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "device": _choice(("auto", "cpu", "cuda")),
         "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
         "threads": optional(int_check(lo=1, cap=MAX_THREADS)),
+        "chat_template": optional(_non_empty_str),  # a Jinja file; resolved in chat_template_path
     },
     "cache": {
         "block_size": _choice(BLOCK_SIZES),
@@ -173,6 +174,22 @@ def model_path(v: str, base: Path) -> str:
     p = p if p.is_absolute() else base / p
     if not p.exists():
         raise InvalidValue(f'must be "{DEFAULT_MODEL}" or an existing model directory; {p} does not exist')
+    return str(p.resolve())
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_template_path(v: str | None, base: Path) -> str | None:
+    """model.chat_template: an existing file (relative to the recipe's folder), made absolute."""
+    if v is None:
+        return None
+    p = Path(v).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not p.is_file():
+        raise InvalidValue(f"must be a chat template file (Jinja); {p} is not a file")
+    if p.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise InvalidValue(f"must be a file of at most {MAX_TEMPLATE_BYTES:,} bytes; {p} is larger")
     return str(p.resolve())
 
 

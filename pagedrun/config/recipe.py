@@ -32,6 +32,9 @@ from pagedrun.config.checks import (
     CHECKS as _CHECKS,
 )
 from pagedrun.config.checks import (
+    chat_template_path as _chat_template_path,
+)
+from pagedrun.config.checks import (
     did_you_mean as _did_you_mean,
 )
 from pagedrun.config.checks import (
@@ -64,6 +67,7 @@ class ModelConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     threads: int | None = None  # None: torch's default
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template (absolute after loading)
 
 
 @dataclass
@@ -145,8 +149,18 @@ class Recipe:
         for name in LATER_SAMPLING_FIELDS:
             if d["sampling"][name] == default_sampling[name]:
                 del d["sampling"][name]
+        template = d["model"].pop("chat_template")
+        if template is not None:  # what the template says, not where it is: its text renders the prompts
+            d["model"]["chat_template_sha256"] = _file_sha256(template)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise PagedrunError(f"model.chat_template: cannot read {path}: {e.strerror}") from None
 
 
 _SECTIONS: dict[str, type] = {
@@ -193,6 +207,8 @@ class _Builder:
             v = checks[key](value)
             if section == "model" and key == "path":
                 v = _model_path(v, base)
+            if section == "model" and key == "chat_template":
+                v = _chat_template_path(v, base)
         except InvalidValue as e:
             raise PagedrunError(f"{where(keypath)}: {e}{_got(where, value)}") from None
         if section:

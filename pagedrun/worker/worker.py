@@ -69,7 +69,7 @@ class Worker:
         self.dtype = DTYPES[recipe.model.dtype]
         self.model_dir = resolve_model_dir(recipe.model.path)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, recipe.model.chat_template)
         cfg = self.model_config
         self.max_model_len = resolve_max_model_len(recipe.model.max_model_len, cfg)
         # The KV cache spec (element type, scales, bytes per token) resolved once, here, and passed
