@@ -346,7 +346,8 @@ def request_checker(recipe):
 
     model_dir = resolve_model_dir(recipe.model.path)
     cfg = read_config(model_dir, recipe.model.max_model_len)
-    return load_tokenizer(model_dir, recipe.model.chat_template), cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
+    tokenizer = load_tokenizer(model_dir, recipe.model.chat_template)
+    return tokenizer, cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
 
 
 def model_name(recipe) -> str:

@@ -96,7 +96,8 @@ def test_the_thinking_switch_and_tools_change_the_prompt(tmp_path, word_tokenize
      "prompts.jsonl:1: chat_template_kwargs: must be an object of template variables"),
     ({"messages": CONV, "chat_template_kwargs": {"tools": []}},
      "prompts.jsonl:1: chat_template_kwargs: 'tools' is a chat-template argument of its own; give it outside"),
-    ({"messages": CONV, "add_generation_prompt": "yes"}, "prompts.jsonl:1: add_generation_prompt: must be true or false"),
+    ({"messages": CONV, "add_generation_prompt": "yes"},
+     "prompts.jsonl:1: add_generation_prompt: must be true or false"),
     ({"messages": CONV, "add_generation_prompt": True, "continue_final_message": True},
      "prompts.jsonl:1: continue_final_message: excludes add_generation_prompt: true (give one)"),
     ({"messages": CONV, "tools": {"a": 1}}, "prompts.jsonl:1: tools: must be a list of tool objects"),
@@ -143,5 +144,6 @@ def test_the_recipes_template_file(tmp_path, tiny_model):
     (o,) = llm.chat(CONV, sp, use_tqdm=False, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
     assert o.prompt_token_ids == _hf(tok, CONV, {"chat_template": TEMPLATE, "tools": TOOLS,
                                                  "chat_template_kwargs": {"enable_thinking": False}})
-    with pytest.raises(PagedrunError, match=r"--set model.chat_template=.*: must be a chat template file \(Jinja\); .* is not a file"):
+    with pytest.raises(PagedrunError,
+                       match=r"--set model.chat_template=.*: must be a chat template file \(Jinja\); .* is not a file"):
         load_recipe(None, [f"model.chat_template={tmp_path / 'none.jinja'}"])
