@@ -89,8 +89,11 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
             apply_grammar_bitmasks(raw, constrained, [rows[i].grammar for i in constrained])
-        logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows],
-                                 [r.bad_words_ids for r in rows])
+        bad_words = [r.bad_words_ids for r in rows]
+        if any(bad_words):
+            logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows], bad_words)
+        else:
+            logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
         errors = dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE)
