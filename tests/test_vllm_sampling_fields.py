@@ -132,3 +132,15 @@ def test_bad_words_token_ids_follow_vllm():
             return {"cat": [10], " cat": [11], "big cat": [12, 11], " big cat": [13, 11]}[text]
 
     assert bad_words_token_ids(["cat", " big cat"], Tok()) == ((10,), (11,), (12, 11), (13, 11))
+
+
+def test_a_vllm_scoring_script_runs_as_written(llm):
+    # vLLM's idiom for a prompt's log-likelihood (perplexity, likelihood evals), unchanged.
+    outputs = llm.generate(["hello there how are you", "fine"], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)
+    for out in outputs:
+        total = sum(lps[tok].logprob for tok, lps in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+        assert total == pytest.approx(sum(e["logprob"] for e in out.prompt_logprob_entries[1:]))
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert all(lps[tok].decoded_token == llm.get_tokenizer().decode([tok])
+                   for tok, lps in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))

@@ -20,7 +20,7 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
-from pagedrun.outputs import CompletionOutput, RequestOutput
+from pagedrun.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrun.report.metrics import StepLog, StepRecord
 from pagedrun.sampling_params import SamplingParams, bad_words_token_ids
 from pagedrun.structured.grammar import StructuredOutputManager
@@ -58,6 +58,7 @@ class LLMEngine:
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
         self._bad_words_cache: dict[tuple, tuple] = {}
+        self._token_texts: dict[int, str] = {}  # a token id's text (prompt_logprobs' decoded_token)
         self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step
         self._last_stats = self._stats_snapshot()
 
@@ -291,8 +292,34 @@ class LLMEngine:
         return RequestOutput(first.request_id, first.index, first.seqs[0].token_ids[: first.prompt_len],
                              completions, first.num_cached_prompt_tokens,
                              sum(grp.num_preemptions for grp in groups), metrics,
-                             prompt_logprobs=(first.prompt_logprobs or [None] * first.prompt_len)
-                             if first.sampling.prompt_logprobs is not None else None)
+                             **self._prompt_logprobs(first))
+
+    def _prompt_logprobs(self, g: SequenceGroup) -> dict:
+        """RequestOutput's prompt_logprobs (vLLM's {token_id: Logprob} per position) and the entries
+        they came from (the output files' shape); nothing for a request that did not ask."""
+        if g.sampling.prompt_logprobs is None:
+            return {}
+        entries = g.prompt_logprobs or [None] * g.prompt_len
+        text = self._token_text
+        vllm: list[dict[int, Logprob] | None] = []
+        for e in entries:
+            if e is None:
+                vllm.append(None)
+                continue
+            d = {t: Logprob(lp, r + 1, text(t)) for r, (t, lp) in enumerate(e["top"])}
+            d[e["token_id"]] = Logprob(e["logprob"], e["rank"], text(e["token_id"]))
+            vllm.append(d)
+        return {"prompt_logprobs": vllm, "prompt_logprob_entries": entries}
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        got = self._token_texts.get(token_id)
+        if got is None:
+            if len(self._token_texts) > 1 << 16:
+                self._token_texts.clear()
+            got = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return got
 
     def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
         """An error record for a request that cannot run (None while a fanned-out one has children left)."""

@@ -341,7 +341,8 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
         return error_line(line_id, batch.custom_id, "request_failed", o.error)
     chat = batch.url == CHAT_URL
     tokens = _TokenText(tokenizer)
-    prompt_logprobs = _prompt_logprobs(o.prompt_logprobs, tokens) if o.prompt_logprobs is not None else None
+    prompt_logprobs = _prompt_logprobs(o.prompt_logprob_entries, tokens) if o.prompt_logprob_entries is not None \
+        else None
     echo = ""
     if batch.echo:  # vLLM's: the prompt as given (text), else its tokens decoded
         echo = batch.prompt_text if batch.prompt_text is not None else \

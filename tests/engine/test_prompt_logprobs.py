@@ -24,8 +24,16 @@ def _hf_logprobs(model_dir, prompt):
 
 
 def _check(o, prompt, want, top_n):
-    got = o.prompt_logprobs
+    got = o.prompt_logprob_entries
     assert len(got) == len(prompt) and got[0] is None
+    # vLLM's shape, as a vLLM scoring script reads it: {token_id: Logprob} per position.
+    vllm = o.prompt_logprobs
+    assert len(vllm) == len(prompt) and vllm[0] is None
+    for j in range(1, len(prompt)):
+        d = vllm[j]
+        assert d[prompt[j]].logprob == got[j]["logprob"] and d[prompt[j]].rank == got[j]["rank"]
+        assert {t for t, _ in got[j]["top"]} <= set(d) and len(d) in (top_n, top_n + 1)
+        assert isinstance(d[prompt[j]].decoded_token, (str, type(None)))
     for j in range(1, len(prompt)):
         e, row = got[j], want[j - 1]
         assert e["token_id"] == prompt[j]
@@ -55,6 +63,7 @@ def test_prompt_logprobs_equal_hf(tiny_model):
     plain, scored = llm.generate([shared, shared], [SamplingParams(max_tokens=1),
                                                     SamplingParams(max_tokens=1, prompt_logprobs=0)], use_tqdm=False)
     assert plain.num_cached_prompt_tokens == 40 and plain.prompt_logprobs is None
+    assert plain.prompt_logprob_entries is None
     assert scored.num_cached_prompt_tokens == 0
     _check(scored, shared, want["shared"], 0)
     assert scored.outputs[0].token_ids == plain.outputs[0].token_ids
