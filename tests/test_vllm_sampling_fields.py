@@ -144,3 +144,20 @@ def test_a_vllm_scoring_script_runs_as_written(llm):
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
         assert all(lps[tok].decoded_token == llm.get_tokenizer().decode([tok])
                    for tok, lps in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked(llm):
+    # vLLM's detokenizer: the token that stopped a request (EOS, a stop_token_ids entry) is not text,
+    # unless include_stop_str_in_output.
+    sp = dict(max_tokens=8, ignore_eos=True)
+    (free,) = llm.generate([5, 6, 7], SamplingParams(**sp), use_tqdm=False)
+    stop = free.outputs[0].token_ids[2]
+    first = free.outputs[0].token_ids.index(stop)
+    (cut,) = llm.generate([5, 6, 7], SamplingParams(stop_token_ids=[stop], **sp), use_tqdm=False)
+    (kept,) = llm.generate([5, 6, 7], SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=True, **sp),
+                           use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert cut.outputs[0].token_ids == kept.outputs[0].token_ids == free.outputs[0].token_ids[: first + 1]
+    assert cut.outputs[0].stop_reason == stop
+    assert cut.outputs[0].text == tok.decode(free.outputs[0].token_ids[:first], skip_special_tokens=True)
+    assert kept.outputs[0].text == tok.decode(free.outputs[0].token_ids[: first + 1], skip_special_tokens=True)

@@ -2,7 +2,8 @@
 
 Stop conditions, in vLLM's order of precedence: EOS (unless ignore_eos) and stop_token_ids, which
 count only once min_tokens are out; stop strings, matched on the detokenised text and excluded from
-it (kept with include_stop_str_in_output); then max_tokens and max_model_len (finish_reason "length").
+it (kept with include_stop_str_in_output, as is the text of a stop token); then max_tokens and
+max_model_len (finish_reason "length").
 The text is decoded with the request's skip_special_tokens and spaces_between_special_tokens.
 """
 from __future__ import annotations
@@ -78,7 +79,11 @@ def final_text(seq: Sequence, tokenizer, params: SamplingParams | None = None) -
     if tokenizer is None:
         return ""
     options = decode_options(params) if params is not None else {"skip_special_tokens": True}
-    text = tokenizer.decode(seq.output_token_ids, **options)
+    tokens = seq.output_token_ids
+    if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and tokens and \
+            not (params is not None and params.include_stop_str_in_output):
+        tokens = tokens[:-1]  # vLLM's: the EOS or stop token that ended it is not text (unless asked)
+    text = tokenizer.decode(tokens, **options)
     if seq.stop_text_cut is not None:
         text = text[: seq.stop_text_cut]
     return text
