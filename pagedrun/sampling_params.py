@@ -72,7 +72,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # (slow tokenizers only, as in vLLM)
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all that fit)
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
     bad_words: list[str] = field(default_factory=list)  # word sequences never generated
     # vLLM's older name of structured_outputs, accepted from Python with a one-line note (not a field).
@@ -308,6 +308,14 @@ def _allowed_token_ids(v: Any) -> list[int] | None:
     return list(v)
 
 
+def _truncate_prompt_tokens(v: Any) -> int:
+    if not is_int(v) or (v < 1 and v != -1):
+        raise InvalidValue("must be an integer >= 1 (or -1: as many as max_model_len allows)")
+    if v > _MAX_COUNT:
+        raise InvalidValue(f"must be at most {_MAX_COUNT}")
+    return v
+
+
 def _bad_words(v: Any) -> list[str]:
     if isinstance(v, str):
         v = [v]
@@ -342,7 +350,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "include_stop_str_in_output": bool_check,
     "skip_special_tokens": bool_check,
     "spaces_between_special_tokens": bool_check,
-    "truncate_prompt_tokens": optional(int_check(lo=1, cap=_MAX_COUNT)),
+    "truncate_prompt_tokens": optional(_truncate_prompt_tokens),
     "allowed_token_ids": _allowed_token_ids,
     "bad_words": _bad_words,
 }

@@ -65,7 +65,8 @@ def test_legacy_guided_fields_are_structured_outputs():
     ({"prompt_logprobs": 21}, "prompt_logprobs: must be an integer in 0..20 or null, got 21"),
     ({"bad_words": [""]}, "bad_words: must be a list of non-empty strings"),
     ({"allowed_token_ids": []}, "allowed_token_ids: must be a non-empty list"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be an integer >= 1 or null"),
+    ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens: must be an integer >= 1 \(or -1: as many as "
+                                    r"max_model_len allows\) or null"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens: must be true or false"),
 ])
 def test_bad_values_are_one_line_errors(d, msg):
@@ -94,6 +95,10 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm):
                         use_tqdm=False)
     tok = llm.get_tokenizer()
     assert t.prompt_token_ids == tok.encode("hello there how are you")[-2:]
+    # -1: as many as max_model_len (64) allows, leaving one token to generate.
+    (m,) = llm.generate([list(range(5, 105))], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                        use_tqdm=False)
+    assert m.prompt_token_ids == list(range(42, 105)) and len(m.outputs[0].token_ids) == 1
 
 
 def test_allowed_token_ids_and_skip_special_tokens(llm):

@@ -205,6 +205,8 @@ class LineChecker:
                 if problem is not None:
                     raise Unrunnable(_structured_field(spec.batch is not None), problem)
             keep = spec.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens
+            if keep == -1:  # vLLM's "as many as the model takes": leave room for one generated token
+                keep = max_model_len - 1
             if spec.kind == "prompt_token_ids":
                 ids = spec.value
             else:
