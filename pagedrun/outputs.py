@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: one token's log-probability at a position, its rank there (1 = the most
+    likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -34,6 +43,11 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     prompt: str | None = None  # the prompt's text when it was given as text (LLM.generate / chat)
+    # With SamplingParams.prompt_logprobs, vLLM's: per prompt token None (the first: nothing precedes
+    # it), then {token_id: Logprob} holding the prompt's token and the top N there.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The same in the output files' shape: None, then {"token_id", "logprob", "rank", "top": [[id, lp]]}.
+    prompt_logprob_entries: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field, fields
+import warnings
+from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import Any, Callable
 
 from pagedrun.errors import PagedrunError, clip, echo
@@ -26,12 +27,17 @@ MAX_STOPS = 1024  # stop strings, stop token ids
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI documents none; vLLM none either)
 
 # vLLM fields users will try; naming them avoids a bare "unknown field" for a well-known option.
-_VLLM_UNSUPPORTED = frozenset({
-    "best_of", "prompt_logprobs",
-    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "truncate_prompt_tokens", "logits_processors", "guided_decoding",
-    "allowed_token_ids", "bad_words", "detokenize", "output_kind",
-})
+_VLLM_UNSUPPORTED = frozenset({"best_of", "logits_processors", "detokenize", "output_kind"})
+MAX_BAD_WORDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # more than any vocabulary
+# vLLM's legacy guided-decoding names, read as structured_outputs (vLLM's own migration) with a
+# one-line note: `guided_decoding` is a whole structured_outputs object, the others one kind of it.
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_decoding": None}
+# Fields added after resumable jobs existed (issue 39): left out of the recipe's fingerprint while they
+# hold their default, so that a job started before they existed still resumes (config/recipe.py).
+LATER_FIELDS = ("prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
 
 
 class InvalidValue(ValueError):
@@ -61,8 +67,23 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: dict | None = None  # {"json": schema} | {"regex": ...} | ... (structured/params.py)
+    # vLLM's fields, with vLLM's meaning (docs/guide/requests-and-outputs.md):
+    prompt_logprobs: int | None = None  # top-N logprobs at every prompt position (and the prompt token's own)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # (slow tokenizers only, as in vLLM)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all that fit)
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    bad_words: list[str] = field(default_factory=list)  # word sequences never generated
+    # vLLM's older name of structured_outputs, accepted from Python with a one-line note (not a field).
+    guided_decoding: InitVar[dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: dict | None = None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise PagedrunError("SamplingParams: guided_decoding, structured_outputs: give one of them")
+            warnings.warn(guided_note("guided_decoding"), stacklevel=3)
+            self.structured_outputs = guided_decoding
         # Constructing directly (from Python) gets the same checks as from_dict.
         for f in fields(self):
             value = getattr(self, f.name)
@@ -81,8 +102,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Anything that changes the logits before sampling (sample/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +115,7 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise PagedrunError(f"{where}: must be a mapping of sampling fields, got {echo(d)}")
         values: dict[str, Any] = {}
+        d = resolve_aliases(d, where)
         for name, value in d.items():
             if name not in FIELD_NAMES:
                 raise PagedrunError(f"{where}: {clip(str(name))}: {unknown_field_message(name)}")
@@ -116,12 +139,49 @@ def merged(defaults: SamplingParams, overrides: dict[str, Any], where: str) -> S
     if not overrides:
         return defaults
     base = defaults.to_dict()
+    overrides = resolve_aliases(overrides, where)
     # Check the override keys first so an error names the field the user wrote.
     for name in overrides:
         if name not in FIELD_NAMES:
             raise PagedrunError(f"{where}: {clip(str(name))}: {unknown_field_message(name)}")
     base.update(overrides)
     return SamplingParams.from_dict(base, where)
+
+
+def resolve_aliases(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """`d` with vLLM's legacy guided_* fields turned into structured_outputs (one of them at most)."""
+    given = [k for k in GUIDED_ALIASES if k in d]
+    if not given:
+        return d
+    if len(given) > 1 or "structured_outputs" in d:
+        names = ", ".join(given + (["structured_outputs"] if "structured_outputs" in d else []))
+        raise PagedrunError(f"{where}: {names}: give one of them (guided_* are the old names of structured_outputs)")
+    name = given[0]
+    out = {k: v for k, v in d.items() if k != name}
+    kind, value = GUIDED_ALIASES[name], d[name]
+    out["structured_outputs"] = value if kind is None or value is None else {kind: value}
+    return out
+
+
+def guided_note(name: str) -> str:
+    """The one-line deprecation note for a legacy guided_* field."""
+    kind = GUIDED_ALIASES[name]
+    new = "structured_outputs" if kind is None else f'structured_outputs: {{"{kind}": ...}}'
+    return f"{name} is deprecated (as in vLLM); read as {new}"
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word as written (less leading spaces) and with one
+    leading space, the second kept only where it is another token sequence of the same length."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
 
 
 def unknown_field_message(name: str, noun: str = "field") -> str:
@@ -238,6 +298,34 @@ def _structured_outputs(v: Any) -> dict | None:
         raise InvalidValue(str(e)) from None
 
 
+def _allowed_token_ids(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(is_int(t) and t >= 0 for t in v):
+        raise InvalidValue("must be a non-empty list of non-negative integer token ids or null")
+    if len(v) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidValue(f"must hold at most {MAX_ALLOWED_TOKEN_IDS} token ids")
+    return list(v)
+
+
+def _truncate_prompt_tokens(v: Any) -> int:
+    if not is_int(v) or (v < 1 and v != -1):
+        raise InvalidValue("must be an integer >= 1 (or -1: as many as max_model_len allows)")
+    if v > _MAX_COUNT:
+        raise InvalidValue(f"must be at most {_MAX_COUNT}")
+    return v
+
+
+def _bad_words(v: Any) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s.strip() for s in v):
+        raise InvalidValue("must be a list of non-empty strings")
+    if len(v) > MAX_BAD_WORDS:
+        raise InvalidValue(f"must hold at most {MAX_BAD_WORDS} words")
+    return list(v)
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "n": int_check(lo=1, cap=MAX_N),
     "max_tokens": int_check(lo=1, cap=_MAX_COUNT),
@@ -258,6 +346,13 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "repetition_penalty": float_check("a number in [0.01, 100] (1 = off)", lambda x: 0.01 <= x <= 100),
     "logit_bias": _logit_bias,
     "structured_outputs": _structured_outputs,
+    "prompt_logprobs": optional(int_check(lo=0, hi=MAX_LOGPROBS)),
+    "include_stop_str_in_output": bool_check,
+    "skip_special_tokens": bool_check,
+    "spaces_between_special_tokens": bool_check,
+    "truncate_prompt_tokens": optional(_truncate_prompt_tokens),
+    "allowed_token_ids": _allowed_token_ids,
+    "bad_words": _bad_words,
 }
 assert set(_CHECKS) == set(FIELD_NAMES), "every SamplingParams field needs a check"
 

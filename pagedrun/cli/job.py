@@ -40,6 +40,7 @@ from rich.progress import (
 from pagedrun.cli.progress_log import ProgressLog, timestamp
 from pagedrun.errors import PagedrunError
 from pagedrun.io.stdout_writer import is_stdout
+from pagedrun.sampling_params import guided_note
 
 # Exit codes of a run that finished (a user error exits 2 before any work; a signal 128 + its number).
 EXIT_OK = 0  # every request has an output
@@ -174,6 +175,9 @@ def run_job(*, recipe, prompts: Path, recipe_path: Path | None, output: Path, ov
             console.print(f"{prompts.name}:{min(stream.other_models.values())}: body.model: {names} asked for; "
                           f"every line runs on this recipe's model, {stream.batch_job.model!r} (the outputs say so)",
                           style="yellow", highlight=False, soft_wrap=True, markup=False)
+        for name, line in (stream.deprecated.items() if not quiet else ()):
+            console.print(f"{prompts.name}:{line}: {guided_note(name)}", style="yellow", highlight=False,
+                          soft_wrap=True, markup=False)
         log = ProgressLog.for_console(console, log_interval_s, quiet)
         return _run(executor, stream, writer, recipe=recipe, output=output, plot=plot, quiet=quiet,
                     console=console, stop=stop, inputs=tuple(p for p in (prompts, recipe_path) if p is not None),
@@ -372,7 +376,8 @@ def request_checker(recipe):
 
     model_dir = resolve_model_dir(recipe.model.path)
     cfg = read_config(model_dir, recipe.model.max_model_len)
-    return load_tokenizer(model_dir), cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
+    tokenizer = load_tokenizer(model_dir, recipe.model.chat_template)
+    return tokenizer, cfg, resolve_max_model_len(recipe.model.max_model_len, cfg)
 
 
 def model_name(recipe) -> str:

@@ -135,6 +135,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
         "threads": optional(int_check(lo=1, cap=MAX_THREADS)),
         "generation_config": _non_empty_str,  # resolved in generation_config_path
+        "chat_template": optional(_non_empty_str),  # a Jinja file; resolved in chat_template_path
     },
     "cache": {
         "block_size": _choice(BLOCK_SIZES),
@@ -192,6 +193,22 @@ def generation_config_path(v: str, base: Path) -> str:
     if not (p / "generation_config.json").is_file():
         raise InvalidValue(f"must be auto, vllm or a folder holding a generation_config.json; "
                            f"{p / 'generation_config.json'} does not exist")
+    return str(p.resolve())
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_template_path(v: str | None, base: Path) -> str | None:
+    """model.chat_template: an existing file (relative to the recipe's folder), made absolute."""
+    if v is None:
+        return None
+    p = Path(v).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not p.is_file():
+        raise InvalidValue(f"must be a chat template file (Jinja); {p} is not a file")
+    if p.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise InvalidValue(f"must be a file of at most {MAX_TEMPLATE_BYTES:,} bytes; {p} is larger")
     return str(p.resolve())
 
 

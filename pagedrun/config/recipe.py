@@ -32,6 +32,9 @@ from pagedrun.config.checks import (
     CHECKS as _CHECKS,
 )
 from pagedrun.config.checks import (
+    chat_template_path as _chat_template_path,
+)
+from pagedrun.config.checks import (
     did_you_mean as _did_you_mean,
 )
 from pagedrun.config.checks import (
@@ -45,6 +48,7 @@ from pagedrun.config.yaml_loader import Loader as _Loader
 from pagedrun.config.yaml_loader import one_line as _one_line
 from pagedrun.config.yaml_loader import read_yaml
 from pagedrun.errors import PagedrunError, clip, echo
+from pagedrun.sampling_params import LATER_FIELDS as LATER_SAMPLING_FIELDS
 from pagedrun.sampling_params import (
     InvalidValue,
     SamplingParams,
@@ -79,6 +83,7 @@ class ModelConfig:
     # auto: generation_config.json's sampling fields are the defaults of requests and of the recipe's
     # sampling fields it leaves unset (vLLM's --generation-config auto); vllm: ignored; or a folder.
     generation_config: str = "auto"
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template (absolute after loading)
 
 
 @dataclass
@@ -185,8 +190,23 @@ class Recipe:
             # The default, strict, is left out: a job started before the section existed resumes
             # (its constrained requests, if any, run strict from then on: docs/guide/structured-outputs.md).
             del d["structured_outputs"]
+        # Keys added after resume existed count only when set: a job started before them resumes.
+        default_sampling = SamplingParams().to_dict()
+        for name in LATER_SAMPLING_FIELDS:
+            if d["sampling"][name] == default_sampling[name]:
+                del d["sampling"][name]
+        template = d["model"].pop("chat_template")
+        if template is not None:  # what the template says, not where it is: its text renders the prompts
+            d["model"]["chat_template_sha256"] = _file_sha256(template)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise PagedrunError(f"model.chat_template: cannot read {path}: {e.strerror}") from None
 
 
 _SECTIONS: dict[str, type] = {
@@ -244,6 +264,8 @@ class _Builder:
                 v = _model_path(v, base)
             if section == "model" and key == "generation_config":
                 v = _generation_config_path(v, base)
+            if section == "model" and key == "chat_template":
+                v = _chat_template_path(v, base)
         except InvalidValue as e:
             raise PagedrunError(f"{where(keypath)}: {e}{_got(where, value)}") from None
         if section:

@@ -20,9 +20,9 @@ from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
-from pagedrun.outputs import CompletionOutput, RequestOutput
+from pagedrun.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrun.report.metrics import StepLog, StepRecord
-from pagedrun.sampling_params import SamplingParams
+from pagedrun.sampling_params import SamplingParams, bad_words_token_ids
 from pagedrun.structured.grammar import StructuredOutputManager
 
 
@@ -57,6 +57,8 @@ class LLMEngine:
         self.steps = StepLog()  # a StepRecord per step, stored by column
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
+        self._bad_words_cache: dict[tuple, tuple] = {}
+        self._token_texts: dict[int, str] = {}  # a token id's text (prompt_logprobs' decoded_token)
         self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step
         self._last_stats = self._stats_snapshot()
 
@@ -100,6 +102,16 @@ class LLMEngine:
             return f"structured_outputs: the grammar engine failed: {' '.join(str(e).split())[:300]}"
         return None
 
+    def _bad_words_ids(self, sampling: SamplingParams) -> tuple:
+        """The token sequences of the request's bad_words, tokenized once per distinct list."""
+        if not sampling.bad_words or self.tokenizer is None:
+            return ()
+        key = tuple(sampling.bad_words)
+        got = self._bad_words_cache.get(key)
+        if got is None:
+            got = self._bad_words_cache[key] = bad_words_token_ids(sampling.bad_words, self.tokenizer)
+        return got
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed_early)
 
@@ -126,7 +138,7 @@ class LLMEngine:
         self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
         inputs = [
             (s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples)
+             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples, _prompt_targets(s))
             for s in out.scheduled
         ]
         row_of, rows, row_owner = [], [], []
@@ -140,7 +152,8 @@ class LLMEngine:
             grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
             for k in range(fan):
                 row_of.append(r)
-                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar))
+                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar,
+                             self._bad_words_ids(group.sampling)))
             row_owner.append((s, fan, gens))
             r += 1
         return self.worker.execute(inputs, row_of, rows), row_owner
@@ -149,6 +162,13 @@ class LLMEngine:
         """Advance every scheduled sequence, append the sampled tokens (forking where a prompt asked
         for n), check stops, free what finished; the finished requests' outputs."""
         now = time.perf_counter()
+        if result is not None and result.prompt_logprobs:
+            for i, entries in result.prompt_logprobs.items():
+                s = out.scheduled[i]
+                if s.group.prompt_logprobs is None:  # position 0 has none: nothing precedes it
+                    s.group.prompt_logprobs = [None] * s.group.prompt_len
+                start = s.seq.num_computed_tokens + 1  # entries[k] is of prompt token start + k
+                s.group.prompt_logprobs[start : start + len(entries)] = entries  # a recompute: the same again
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.group.first_scheduled_time is None:
@@ -255,8 +275,8 @@ class LLMEngine:
         seqs = [s for grp in groups for s in grp.seqs]
         with_logprobs = first.sampling.logprobs is not None
         completions = [
-            CompletionOutput(i, final_text(s, self.tokenizer), s.output_token_ids, s.finish_reason, s.stop_reason,
-                             s.logprobs if with_logprobs else None,
+            CompletionOutput(i, final_text(s, self.tokenizer, first.sampling), s.output_token_ids, s.finish_reason,
+                             s.stop_reason, s.logprobs if with_logprobs else None,
                              sum(e["logprob"] for e in s.logprobs) if with_logprobs else None,
                              structured_output_incomplete=s.structured_incomplete)
             for i, s in enumerate(seqs)
@@ -273,7 +293,35 @@ class LLMEngine:
         }
         return RequestOutput(first.request_id, first.index, first.seqs[0].token_ids[: first.prompt_len],
                              completions, first.num_cached_prompt_tokens,
-                             sum(grp.num_preemptions for grp in groups), metrics)
+                             sum(grp.num_preemptions for grp in groups), metrics,
+                             **self._prompt_logprobs(first))
+
+    def _prompt_logprobs(self, g: SequenceGroup) -> dict:
+        """RequestOutput's prompt_logprobs (vLLM's {token_id: Logprob} per position) and the entries
+        they came from (the output files' shape); nothing for a request that did not ask."""
+        if g.sampling.prompt_logprobs is None:
+            return {}
+        entries = g.prompt_logprobs or [None] * g.prompt_len
+        text = self._token_text
+        vllm: list[dict[int, Logprob] | None] = []
+        for e in entries:
+            if e is None:
+                vllm.append(None)
+                continue
+            d = {t: Logprob(lp, r + 1, text(t)) for r, (t, lp) in enumerate(e["top"])}
+            d[e["token_id"]] = Logprob(e["logprob"], e["rank"], text(e["token_id"]))
+            vllm.append(d)
+        return {"prompt_logprobs": vllm, "prompt_logprob_entries": entries}
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        got = self._token_texts.get(token_id)
+        if got is None:
+            if len(self._token_texts) > 1 << 16:
+                self._token_texts.clear()
+            got = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return got
 
     def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
         """An error record for a request that cannot run (None while a fanned-out one has children left)."""
@@ -330,6 +378,20 @@ class LLMEngine:
 
     def _occupancy(self) -> dict:
         return occupancy(self.scheduler.running, self.kv, self.max_model_len)
+
+
+def _prompt_targets(s) -> tuple[int, list[int]] | None:
+    """For a request with prompt_logprobs whose chunk holds positions that precede a prompt token:
+    (top-N, those next prompt tokens), the worker's input; else None. Position p's logits score
+    prompt token p + 1, so a chunk [a, b) scores prompt tokens a + 1 .. min(b, prompt_len - 1)."""
+    top_n = s.group.sampling.prompt_logprobs
+    if top_n is None or s.group.forked:
+        return None
+    a = s.seq.num_computed_tokens
+    end = min(a + s.num_new_tokens, s.seq.prompt_len - 1)
+    if end <= a:
+        return None
+    return top_n, s.seq.token_ids[a + 1 : end + 1]
 
 
 def _round(x: float) -> float:

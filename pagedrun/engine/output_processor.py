@@ -2,7 +2,9 @@
 
 Stop conditions, in vLLM's order of precedence: EOS (unless ignore_eos) and stop_token_ids, which
 count only once min_tokens are out; stop strings, matched on the detokenised text and excluded from
-it; then max_tokens and max_model_len (finish_reason "length").
+it (kept with include_stop_str_in_output, as is the text of a stop token); then max_tokens and
+max_model_len (finish_reason "length").
+The text is decoded with the request's skip_special_tokens and spaces_between_special_tokens.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def check_stop(seq: Sequence, params: SamplingParams, eos_token_ids: set[int], m
 
 def _matches_stop_string(seq: Sequence, params: SamplingParams, tokenizer) -> bool:
     previous = len(seq.text)
-    seq.text = detokenize_incrementally(seq, tokenizer)
+    seq.text = detokenize_incrementally(seq, tokenizer, decode_options(params))
     longest = max(len(s) for s in params.stop)
     # A stop string can straddle the previous and the new token: search from just before the new text.
     window_start = max(0, previous - longest + 1)
@@ -39,12 +41,20 @@ def _matches_stop_string(seq: Sequence, params: SamplingParams, tokenizer) -> bo
             best = (i, stop)
     if best is None:
         return False
-    seq.stop_text_cut = best[0]
+    seq.stop_text_cut = best[0] + (len(best[1]) if params.include_stop_str_in_output else 0)
     seq.finish("stop", best[1])
     return True
 
 
-def detokenize_incrementally(seq: Sequence, tokenizer) -> str:
+def decode_options(params: SamplingParams) -> dict:
+    """tokenizer.decode's keyword arguments for the request's text (vLLM's two fields; the second
+    only changes what slow tokenizers write, as in vLLM)."""
+    if params.spaces_between_special_tokens:
+        return {"skip_special_tokens": params.skip_special_tokens}
+    return {"skip_special_tokens": params.skip_special_tokens, "spaces_between_special_tokens": False}
+
+
+def detokenize_incrementally(seq: Sequence, tokenizer, options: dict | None = None) -> str:
     """seq.text with the newest output tokens' text added, decoding a few tokens, not all of them
     (vLLM's incremental detokenizer, on decode()): tokens [detok_prefix, detok_read) are decoded
     again as context, so that a word piece's leading space comes out as the full decode gives it,
@@ -53,21 +63,27 @@ def detokenize_incrementally(seq: Sequence, tokenizer) -> str:
     context's text is not a prefix of the longer decode the whole output is decoded once again.
     Re-decoding the whole output every step made stop strings quadratic in the output's length."""
     tokens = seq.output_token_ids
-    context = tokenizer.decode(tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=True)
-    text = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=True)
+    options = options if options is not None else {"skip_special_tokens": True}
+    context = tokenizer.decode(tokens[seq.detok_prefix : seq.detok_read], **options)
+    text = tokenizer.decode(tokens[seq.detok_prefix :], **options)
     if text.endswith("\ufffd") or len(text) <= len(context):
         return seq.text
     if not text.startswith(context):
         seq.detok_prefix = seq.detok_read = len(tokens)
-        return tokenizer.decode(tokens, skip_special_tokens=True)
+        return tokenizer.decode(tokens, **options)
     seq.detok_prefix, seq.detok_read = seq.detok_read, len(tokens)
     return seq.text + text[len(context) :]
 
 
-def final_text(seq: Sequence, tokenizer) -> str:
+def final_text(seq: Sequence, tokenizer, params: SamplingParams | None = None) -> str:
     if tokenizer is None:
         return ""
-    text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    options = decode_options(params) if params is not None else {"skip_special_tokens": True}
+    tokens = seq.output_token_ids
+    if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and tokens and \
+            not (params is not None and params.include_stop_str_in_output):
+        tokens = tokens[:-1]  # vLLM's: the EOS or stop token that ended it is not text (unless asked)
+    text = tokenizer.decode(tokens, **options)
     if seq.stop_text_cut is not None:
         text = text[: seq.stop_text_cut]
     return text

@@ -20,6 +20,7 @@ sequences hold no blocks; swapped sequences hold only CPU blocks.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -226,14 +227,17 @@ class Scheduler:
     def _allocate_group(self, group: SequenceGroup) -> bool:
         """Allocate every sequence of the group or none (a re-admitted n > 1 group has several)."""
         done: list[Sequence] = []
-        for seq in group.unfinished_seqs():
-            if not self.kv.can_allocate(seq.token_ids):
-                for d in done:
-                    self.kv.free(d.seq_id)
-                    d.num_computed_tokens = 0
-                return False
-            seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids)
-            done.append(seq)
+        # prompt_logprobs need every prompt position computed: such a request takes no prefix-cache hit.
+        scope = self.kv.no_prefix_hits() if group.sampling.prompt_logprobs is not None else contextlib.nullcontext()
+        with scope:
+            for seq in group.unfinished_seqs():
+                if not self.kv.can_allocate(seq.token_ids):
+                    for d in done:
+                        self.kv.free(d.seq_id)
+                        d.num_computed_tokens = 0
+                    return False
+                seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids)
+                done.append(seq)
         if group.first_scheduled_time is None:
             group.num_cached_prompt_tokens = done[0].num_computed_tokens
         return True

@@ -99,6 +99,8 @@ class SequenceGroup:
     parent: object | None = None
     child_index: int = 0
     error: str | None = None  # why this request failed while it ran (its grammar): an error record
+    # prompt_logprobs: one entry per prompt token (None for the first), filled in as chunks compute
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -33,6 +33,8 @@ def output_record(o: RequestOutput) -> dict:
         rec.update(c)
     else:
         rec["outputs"] = completions
+    if o.prompt_logprob_entries is not None:
+        rec["prompt_logprobs"] = o.prompt_logprob_entries
     rec["cached_prompt_tokens"] = o.num_cached_prompt_tokens
     rec["num_preemptions"] = o.num_preemptions
     rec["metrics"] = o.metrics

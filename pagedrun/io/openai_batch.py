@@ -29,8 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pagedrun.errors import clip, echo_json
-from pagedrun.sampling_params import FIELD_NAMES, InvalidValue, check_field
+from pagedrun.errors import PagedrunError, clip, echo_json
+from pagedrun.io.tokenize import CHAT_OPTIONS, LineError, check_chat_options
+from pagedrun.sampling_params import FIELD_NAMES, GUIDED_ALIASES, InvalidValue, check_field, resolve_aliases
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -43,15 +44,19 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
              "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "top_k": "top_k",
              "min_p": "min_p", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-             "stop_token_ids": "stop_token_ids"}
+             "stop_token_ids": "stop_token_ids", "prompt_logprobs": "prompt_logprobs",
+             "include_stop_str_in_output": "include_stop_str_in_output", "skip_special_tokens": "skip_special_tokens",
+             "spaces_between_special_tokens": "spaces_between_special_tokens",
+             "truncate_prompt_tokens": "truncate_prompt_tokens", "allowed_token_ids": "allowed_token_ids",
+             "bad_words": "bad_words"}
 _IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
 # Fields that change what a response means; refused (per line) unless absent, null or one of their no-op
 # values: what a client sends when it means "none of that" (no tools: tool_choice "none" or "auto",
 # parallel_tool_calls either way; text out: modalities ["text"]).
 _UNSUPPORTED: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "audio": (), "modalities": (["text"],), "prediction": (), "parallel_tool_calls": (True, False),
-    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "stream": (False,), "echo": (False,),
+    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "stream": (False,),
     "suffix": (), "best_of": (1,)}
 # Keys of a message besides role and content: accepted when null or empty (an assistant message copied
 # back from a response carries "refusal": null, "annotations": [], ...), refused otherwise.
@@ -64,9 +69,11 @@ def _is_no_op(value: Any, no_ops: tuple) -> bool:
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
                         "parallel_tool_calls", "web_search_options", "reasoning_effort", "verbosity"})
+_CHAT_ONLY |= frozenset(CHAT_OPTIONS)  # the chat template's arguments (vLLM's chat endpoint takes them)
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
-_KNOWN = frozenset({*_SAMPLING, *_IGNORED, *_UNSUPPORTED, "messages", "prompt", "max_tokens", "max_completion_tokens",
-                    "logprobs", "top_logprobs", "response_format"})
+_KNOWN = frozenset({*_SAMPLING, *_IGNORED, *_UNSUPPORTED, *CHAT_OPTIONS, *GUIDED_ALIASES, "messages", "prompt",
+                    "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                    "structured_outputs", "echo"})
 _CHAT_FIELDS = _KNOWN - _COMPLETIONS_ONLY
 _COMPLETIONS_FIELDS = _KNOWN - _CHAT_ONLY
 
@@ -105,6 +112,8 @@ class BatchLine:
     url: str
     logprobs: bool = False
     top_logprobs: int = 0
+    echo: bool = False  # /v1/completions: the prompt's text before the completion's
+    prompt_text: str | None = None  # with echo, the body's prompt when it was text
 
 
 @dataclass
@@ -116,6 +125,8 @@ class BatchRequest:
     overrides: dict[str, Any]
     batch: BatchLine
     model: str | None  # the body's model, to warn once when it is not the recipe's
+    chat: dict | None = None  # the chat template's arguments (io/tokenize.py check_chat_options)
+    deprecated: str | None = None  # a legacy guided_* field the body used (one note per file)
 
 
 def is_batch_line(obj: dict) -> bool:
@@ -154,22 +165,56 @@ def parse_batch_line(obj: dict) -> BatchRequest:
                 raise BatchLineError(f"body.{key}", "not supported by pagedrun")
     overrides = _sampling_overrides(body, chat)
     batch = BatchLine(custom_id=obj["custom_id"], url=url)
+    options = None
     if chat:
         _chat_logprobs(body, batch, overrides)
         _response_format(body.get("response_format"), overrides)
         if "messages" not in body:
             raise BatchLineError("body.messages", "missing")
         kind, value = "messages", _messages(body["messages"])
+        try:
+            options = check_chat_options(body, "body.") or None
+        except LineError as e:
+            raise BatchLineError(e.field, e.message) from None
     else:
         lp = body.get("logprobs")
         if lp is not None:
             overrides["logprobs"] = _checked("body.logprobs", "logprobs", lp)
             batch.logprobs, batch.top_logprobs = True, lp
+        echo = body.get("echo")
+        if echo is not None:
+            if not isinstance(echo, bool):
+                raise BatchLineError("body.echo", f"must be true or false, got {echo_json(echo)}")
+            if echo and lp is not None:
+                raise BatchLineError("body.echo", "with logprobs is not supported by pagedrun (ask prompt_logprobs "
+                                                  "for the prompt's)")
+            batch.echo = echo
         if "prompt" not in body:
             raise BatchLineError("body.prompt", "missing")
         kind, value = _prompt(body["prompt"])
+        if batch.echo and kind == "prompt":
+            batch.prompt_text = value
+    deprecated = _structured_fields(body, overrides)
     model = body.get("model")
-    return BatchRequest(kind, value, overrides, batch, model if isinstance(model, str) else None)
+    return BatchRequest(kind, value, overrides, batch, model if isinstance(model, str) else None, options, deprecated)
+
+
+def _structured_fields(body: dict, overrides: dict) -> str | None:
+    """vLLM's body fields structured_outputs and (legacy) guided_*: one constraint per request, with
+    response_format; returns the legacy name used, if any."""
+    given = {k: body[k] for k in ("structured_outputs", *GUIDED_ALIASES) if body.get(k) is not None}
+    if not given:
+        return None
+    if "structured_outputs" in overrides or len(given) > 1:
+        names = [*given] + (["response_format"] if "structured_outputs" in overrides else [])
+        raise BatchLineError(f"body.{names[0]}", f"give one of {', '.join(names)} (one constraint per request)")
+    try:
+        (name, value), = resolve_aliases(given, "").items()
+    except PagedrunError as e:  # cannot happen with one key; kept for the message's shape
+        raise BatchLineError("body.structured_outputs", str(e)) from None
+    key = next(iter(given))
+    overrides["structured_outputs"] = _checked(f"body.{key}", "structured_outputs", value)
+    return key if key in GUIDED_ALIASES else None
 
 
 def _checked(where: str, name: str, value: Any) -> Any:
@@ -296,19 +341,27 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
         return error_line(line_id, batch.custom_id, "request_failed", o.error)
     chat = batch.url == CHAT_URL
     tokens = _TokenText(tokenizer)
+    prompt_logprobs = _prompt_logprobs(o.prompt_logprob_entries, tokens) if o.prompt_logprob_entries is not None \
+        else None
+    echo = ""
+    if batch.echo:  # vLLM's: the prompt as given (text), else its tokens decoded
+        echo = batch.prompt_text if batch.prompt_text is not None else \
+            (tokenizer.decode(o.prompt_token_ids) if tokenizer is not None else "")
     choices = []
     for c in o.outputs:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": _FINISH.get(c.finish_reason, "stop"),
-                                  "logprobs": None}
+                                  "logprobs": None, "stop_reason": c.stop_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
             if batch.logprobs:
                 choice["logprobs"] = {"content": [_chat_logprob(e, tokens) for e in _text_entries(c)],
                                       "refusal": None}
         else:
-            choice["text"] = c.text
+            choice["text"] = echo + c.text
             if batch.logprobs:
                 choice["logprobs"] = _completion_logprobs(_text_entries(c), tokens)
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in o.outputs)
     prompt_tokens = len(o.prompt_token_ids)
@@ -320,9 +373,12 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
         "model": job.model,
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": o.num_cached_prompt_tokens}},
         "system_fingerprint": job.system_fingerprint,
     }
+    if chat and prompt_logprobs is not None:  # vLLM's chat response holds them at its top level
+        body["prompt_logprobs"] = prompt_logprobs
     return {"id": line_id, "custom_id": batch.custom_id,
             "response": {"status_code": 200, "request_id": "req_" + suffix, "body": body}, "error": None}
 
@@ -425,6 +481,20 @@ def _chat_logprob(entry: dict, tokens: _TokenText) -> dict:
         return {"token": text, "logprob": logprob, "bytes": raw}
 
     return {**one(entry["token_id"], entry["logprob"]), "top_logprobs": [one(t, lp) for t, lp in entry["top"]]}
+
+
+def _prompt_logprobs(entries: list, tokens: _TokenText) -> list:
+    """vLLM's server shape: per prompt token None (the first) or {token id (a string): {"logprob",
+    "rank", "decoded_token"}} for the prompt's token and the top-N."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokens(t)} for r, (t, lp) in enumerate(e["top"])}
+        d[str(e["token_id"])] = {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": tokens(e["token_id"])}
+        out.append(d)
+    return out
 
 
 def _completion_logprobs(entries: list[dict], tokens: _TokenText) -> dict:

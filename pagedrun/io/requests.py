@@ -30,12 +30,21 @@ from pagedrun.errors import PagedrunError, clip, echo, echo_json
 from pagedrun.io import openai_batch
 from pagedrun.io.input_files import read_input
 from pagedrun.io.openai_batch import BatchJob, BatchLine, BatchLineError
-from pagedrun.io.tokenize import LineError, TooLong, check_vocab, need_tokenizer, token_ids
-from pagedrun.sampling_params import FIELD_NAMES, SamplingParams, is_int, merged
+from pagedrun.io.tokenize import (
+    CHAT_OPTIONS,
+    LineError,
+    TooLong,
+    check_chat_options,
+    check_vocab,
+    need_tokenizer,
+    token_ids,
+)
+from pagedrun.sampling_params import FIELD_NAMES, GUIDED_ALIASES, SamplingParams, is_int, merged
 from pagedrun.structured.grammar import compile_spec, llguidance_module
 
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-_KNOWN_KEYS = ("id", *_PROMPT_KEYS, *FIELD_NAMES)
+_KNOWN_KEYS = ("id", *_PROMPT_KEYS, *FIELD_NAMES, *GUIDED_ALIASES, *CHAT_OPTIONS)
+_SAMPLING_KEYS = frozenset((*FIELD_NAMES, *GUIDED_ALIASES))
 JSONL, OPENAI = "jsonl", "openai"
 _MERGED_CACHE = 1024  # distinct sets of sampling overrides remembered per file
 _SCALARS = (int, float, str, bool, type(None))
@@ -50,6 +59,7 @@ class Request:
     prompt: str | None = None
     messages: list[dict] | None = None
     batch: BatchLine | None = None  # a batch-file line's OpenAI side (its output line's shape)
+    chat: dict | None = None  # the chat-template arguments of a messages line
 
 
 @dataclass
@@ -72,6 +82,7 @@ class LineSpec:
     sampling: SamplingParams
     batch: BatchLine | None = None
     model: str | None = None  # a batch line's body.model
+    chat: dict | None = None  # a messages line's chat-template arguments (io/tokenize.py check_chat_options)
 
 
 class Unrunnable(LineError):
@@ -133,6 +144,7 @@ class LineChecker:
         self.format_line = 0
         self.first_line_of_id: dict[str, int] = {}
         self.other_models: dict[str, int] = {}  # a batch body's model other than the recipe's -> first line
+        self.deprecated: dict[str, int] = {}  # a legacy field used (guided_json, ...) -> its first line
         self._merged: dict[Any, SamplingParams] = {}  # overrides (a tuple or JSON) -> their checked params
         if defaults.structured_outputs is not None:  # the recipe's constraint: every line's problem
             problem = compile_spec(defaults.structured_outputs)[1]
@@ -192,13 +204,20 @@ class LineChecker:
                 problem = compile_spec(spec.sampling.structured_outputs)[1]
                 if problem is not None:
                     raise Unrunnable(_structured_field(spec.batch is not None), problem)
+            keep = spec.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens
+            if keep == -1:  # vLLM's "as many as the model takes": leave room for one generated token
+                keep = max_model_len - 1
             if spec.kind == "prompt_token_ids":
                 ids = spec.value
             else:
-                ids = token_ids(spec.kind, spec.value, self.tokenizer, max_model_len)
+                # Truncated prompts are tokenized whole (the cut is at the start), as vLLM does.
+                ids = token_ids(spec.kind, spec.value, self.tokenizer, max_model_len if keep is None else 1 << 40,
+                                chat=spec.chat)
                 if not ids:
                     raise LineError(spec.kind, "empty prompt (no tokens after tokenization)")
                 check_vocab(ids, self.vocab_size, spec.kind)
+            if keep is not None:
+                ids = ids[-keep:]
             if len(ids) > max_model_len - 1:  # leave room for at least one generated token
                 raise TooLong(spec.kind, f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}"
                                          f" (a prompt may have at most {max_model_len - 1})")
@@ -209,7 +228,7 @@ class LineChecker:
                                  custom_id=spec.batch.custom_id if spec.batch is not None else None)
             raise LineFailure(bad, too_long=isinstance(e, (TooLong, Unrunnable))) from None
         return Request(id=spec.id, line=spec.line, prompt_token_ids=list(ids), sampling=spec.sampling,
-                       prompt=spec.value if spec.kind == "prompt" else None,
+                       prompt=spec.value if spec.kind == "prompt" else None, chat=spec.chat,
                        messages=spec.value if spec.kind == "messages" else None, batch=spec.batch)
 
     def _check_jsonl(self, obj: dict[str, Any], rid: str, lineno: int) -> LineSpec:
@@ -223,8 +242,12 @@ class LineChecker:
         if len(given) > 1:
             raise LineError(", ".join(given), 'give only one of "prompt", "messages", "prompt_token_ids"')
         kind = given[0]
-        overrides = {k: v for k, v in obj.items() if k in FIELD_NAMES}
+        overrides = {k: v for k, v in obj.items() if k in _SAMPLING_KEYS}
         sampling = self._sampling(overrides, lineno, "structured_outputs")
+        chat = check_chat_options(obj)
+        if chat and kind != "messages":
+            raise LineError(next(k for k in CHAT_OPTIONS if k in chat), 'only with "messages" (a chat template '
+                                                                          "argument)")
         value = obj[kind]
         if kind == "prompt_token_ids":
             value = _check_token_ids(value, self.vocab_size)
@@ -235,8 +258,8 @@ class LineChecker:
                 raise LineError(kind, "empty prompt")
         else:
             value = _check_messages(value)
-        self._check_tokenizer(kind)
-        return LineSpec(rid, lineno, kind, value, sampling)
+        self._check_tokenizer(kind, chat)
+        return LineSpec(rid, lineno, kind, value, sampling, chat=chat or None)
 
     def _check_batch(self, obj: dict[str, Any], lineno: int) -> LineSpec:
         req = openai_batch.parse_batch_line(obj)
@@ -250,13 +273,15 @@ class LineChecker:
         elif not value:
             raise LineError(_batch_field(req.kind), "empty prompt")
         try:
-            self._check_tokenizer(req.kind)
+            self._check_tokenizer(req.kind, req.chat)
         except LineError as e:
             raise LineError(_batch_field(req.kind), e.message) from None
         if req.model is not None and req.model != self.batch_job.model:
             self.other_models.setdefault(req.model, lineno)
+        if req.deprecated is not None:
+            self.deprecated.setdefault(req.deprecated, lineno)
         return LineSpec(self.batch_job.line_id(req.batch.custom_id), lineno, req.kind, value, sampling,
-                        batch=req.batch, model=req.model)
+                        batch=req.batch, model=req.model, chat=req.chat)
 
     def _sampling(self, overrides: dict[str, Any], lineno: int, structured_field: str) -> SamplingParams:
         # Building SamplingParams is most of a line's check
@@ -270,6 +295,9 @@ class LineChecker:
                 key = json.dumps(overrides, sort_keys=True)
             except (TypeError, ValueError):  # not JSON (a Python caller's values): checked, not shared
                 pass
+        for name in GUIDED_ALIASES:
+            if name in overrides:
+                self.deprecated.setdefault(name, lineno)
         sampling = self._merged.get(key) if key is not None else None
         if sampling is None:
             sampling = merged(self.defaults, overrides, where=f"{self.name}:{lineno}")
@@ -283,6 +311,11 @@ class LineChecker:
         for t in sampling.logit_bias:
             if t >= self.vocab_size:
                 raise LineError("logit_bias", f"token id {t} is outside [0, {self.vocab_size})")
+        for i, t in enumerate(sampling.allowed_token_ids or ()):
+            if t >= self.vocab_size:
+                raise LineError("allowed_token_ids", f"token id {t} at index {i} is outside [0, {self.vocab_size})")
+        if sampling.bad_words and self.tokenizer is None:
+            raise LineError("bad_words", "needs the model's tokenizer (words are tokenized); this model has none")
         if sampling.structured_outputs is not None:  # the file's problems, before the model loads
             if self.tokenizer is None:
                 raise LineError(structured_field, "needs the model's tokenizer (grammars are matched on "
@@ -293,11 +326,12 @@ class LineChecker:
                 raise LineError(structured_field, str(e)) from None
         return sampling
 
-    def _check_tokenizer(self, kind: str) -> None:
+    def _check_tokenizer(self, kind: str, chat: dict | None = None) -> None:
         if kind == "prompt_token_ids":
             return
         need_tokenizer(self.tokenizer, kind)
-        if kind == "messages" and not getattr(self.tokenizer, "chat_template", None):
+        if kind == "messages" and not (chat or {}).get("chat_template") \
+                and not getattr(self.tokenizer, "chat_template", None):
             raise LineError("messages", "the model's tokenizer has no chat template; use prompt")
 
 

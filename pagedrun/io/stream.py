@@ -54,6 +54,7 @@ class RequestStream:
         self.pending_completions = 0  # their completions (n each)
         self.invalid: list[InvalidRequest] = []  # pass 1's lines that cannot run
         self.other_models: dict[str, int] = {}  # a batch body's model other than the recipe's -> first line
+        self.deprecated: dict[str, int] = {}  # a legacy field used (guided_json, ...) -> its first line
         self.tokenized = 0  # requests pass 2 has tokenized so far (the window's tests read it)
         self._bad_lines: set[int] = set()  # pass 1's invalid lines
 
@@ -106,6 +107,7 @@ class RequestStream:
         if not self.num_lines:
             raise PagedrunError(f"{self.path.name}: no requests")
         self.format, self.other_models = checker.format, checker.other_models
+        self.deprecated = checker.deprecated
         if self.format == OPENAI:  # lines that failed before the first batch line decided the format
             for bad in self.invalid:
                 if bad.line < checker.format_line:

@@ -23,21 +23,56 @@ class TooLong(LineError):
     """A prompt longer than max_model_len allows: an error record even without skip_invalid."""
 
 
-def token_ids(kind: str, value: Any, tokenizer: Any, max_model_len: int) -> list[int]:
-    """The prompt's token ids for a checked `prompt` (str) or `messages` line."""
+def token_ids(kind: str, value: Any, tokenizer: Any, max_model_len: int, chat: dict | None = None) -> list[int]:
+    """The prompt's token ids for a checked `prompt` (str) or `messages` line; `chat`: the line's
+    chat-template arguments (check_chat_options)."""
     need_tokenizer(tokenizer, kind)
     if kind == "prompt":
         return _collapse_double_bos(_encode(value, tokenizer, max_model_len, kind, {}), tokenizer)
-    return _chat_token_ids(value, tokenizer, max_model_len)
+    return chat_token_ids(value, tokenizer, max_model_len, **(chat or {}))[1]
+
+
+# A request's chat-template arguments (vLLM's names), as LLM.chat, JSONL lines and batch bodies give them.
+CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools")
+MAX_TEMPLATE_CHARS = 1_000_000
+
+
+def check_chat_options(obj: dict, prefix: str = "") -> dict:
+    """The chat-template arguments in `obj` (keys CHAT_OPTIONS), checked; raises LineError naming
+    prefix + the field. Absent keys are left out (transformers' defaults apply)."""
+    out: dict[str, Any] = {}
+    for key in CHAT_OPTIONS:
+        v = obj.get(key)
+        if v is None:
+            continue
+        where = prefix + key
+        if key == "chat_template":
+            if not isinstance(v, str) or not v.strip():
+                raise LineError(where, "must be a non-empty string (a Jinja chat template)")
+            if len(v) > MAX_TEMPLATE_CHARS:
+                raise LineError(where, f"must be at most {MAX_TEMPLATE_CHARS:,} characters")
+        elif key == "chat_template_kwargs":
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise LineError(where, "must be an object of template variables")
+            clash = next((k for k in v if k in CHAT_OPTIONS or k in ("messages", "conversation", "tokenize")), None)
+            if clash is not None:
+                raise LineError(where, f"{clash!r} is a chat-template argument of its own; give it outside")
+        elif key in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(v, bool):
+                raise LineError(where, "must be true or false")
+        elif not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+            raise LineError(where, "must be a list of tool objects")
+        out[key] = v
+    if out.get("add_generation_prompt") and out.get("continue_final_message"):
+        raise LineError(prefix + "continue_final_message", "excludes add_generation_prompt: true (give one)")
+    if out.get("continue_final_message") and "add_generation_prompt" not in out:
+        out["add_generation_prompt"] = False  # vLLM's rule: continuing a message adds no new turn
+    return out
 
 
 def need_tokenizer(tokenizer: Any, kind: str) -> None:
     if tokenizer is None:
         raise LineError(kind, "needs a tokenizer; use prompt_token_ids (this model has no tokenizer)")
-
-
-def _chat_token_ids(messages: list[dict], tokenizer: Any, max_model_len: int) -> list[int]:
-    return chat_token_ids(messages, tokenizer, max_model_len)[1]
 
 
 def chat_token_ids(messages: list[dict], tokenizer: Any, max_model_len: int, *, add_generation_prompt: bool = True,

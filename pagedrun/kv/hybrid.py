@@ -18,6 +18,7 @@ more slots brings every group up to the same count.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -55,6 +56,17 @@ class HybridKVCacheManager(PoolCounts):
         # operation below is one group's, so the change of the pool's free count across a group's
         # operation is the change of what that group holds (the report's per-group figure).
         self.held = [0] * len(self.managers)
+
+    @contextlib.contextmanager
+    def no_prefix_hits(self):
+        """KVCacheManager.no_prefix_hits, in every group."""
+        for m in self.managers:
+            m.hits_disabled = True
+        try:
+            yield
+        finally:
+            for m in self.managers:
+                m.hits_disabled = False
 
     def _on(self, g: int, fn, *args):
         before = self.gpu_pool.num_free_blocks

@@ -20,6 +20,7 @@ Several groups over one pool are coordinated by kv/hybrid.py.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -93,6 +94,7 @@ class KVCacheManager(PoolCounts):
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.hits_disabled = False  # set by no_prefix_hits(): admission without prefix-cache hits
         self.watermark = watermark
         # Admission keeps this many blocks free so running sequences can still grow (vLLM v0).
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -205,7 +207,19 @@ class KVCacheManager(PoolCounts):
         hashes; a sliding group's blocks below the window are None); changes nothing."""
         if len(token_ids) == 0:
             raise ValueError("cannot allocate a sequence with no tokens")
+        if self.hits_disabled:
+            return [], []
         return self._find_cached_blocks(token_ids, max_blocks)
+
+    @contextlib.contextmanager
+    def no_prefix_hits(self):
+        """Admit without prefix-cache hits inside this block (a request whose every prompt position
+        must be computed: prompt_logprobs, as vLLM). Its full blocks still enter the cache."""
+        self.hits_disabled = True
+        try:
+            yield
+        finally:
+            self.hits_disabled = False
 
     def plan_allocate(self, token_ids: Sequence[int], hits: list[KVCacheBlock]) -> tuple[int, int, int]:
         """(blocks taken out of the free queue by allocate with these hits, new blocks among them,

@@ -125,9 +125,21 @@ def load_model(
     return model, config
 
 
-def load_tokenizer(model_dir: Path):
-    """The directory's HF tokenizer (PreTrainedTokenizerBase), or None when it ships none."""
-    model_dir = Path(model_dir)
+def load_tokenizer(model_dir: Path, chat_template: str | None = None):
+    """The directory's HF tokenizer (PreTrainedTokenizerBase), or None when it ships none.
+    `chat_template`: a template file (the recipe's model.chat_template) replacing the tokenizer's own."""
+    tok = _load_tokenizer(Path(model_dir))
+    if chat_template is not None:
+        if tok is None:
+            raise PagedrunError("model.chat_template: this model has no tokenizer to render a template with")
+        try:
+            tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PagedrunError(f"model.chat_template: cannot read {chat_template}: {_one_line(e)}") from None
+    return tok
+
+
+def _load_tokenizer(model_dir: Path):
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         return None
     tok_config = model_dir / "tokenizer_config.json"

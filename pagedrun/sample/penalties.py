@@ -4,6 +4,8 @@ In vLLM v1's order (logits processors, then penalties), on the float32 logits of
 
 | field                | what it does to logit l_t of token t                   | history it counts |
 |----------------------|--------------------------------------------------------|-------------------|
+| `allowed_token_ids`  | l_t = -inf for every t not in the list                 | -                 |
+| `bad_words`          | l_t = -inf where t ends a banned sequence (vLLM's rule) | output only       |
 | `logit_bias`         | l_t += bias_t                                          | -                 |
 | `repetition_penalty` | l_t /= r if l_t > 0 else l_t *= r  (HF, vLLM; CTRL)    | prompt + output   |
 | `frequency_penalty`  | l_t -= f * count_t                                     | output only       |
@@ -26,10 +28,12 @@ from pagedrun.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+                    histories: Sequence[tuple[Sequence[int], int]],
+                    bad_words_ids: Sequence[Sequence[Sequence[int]]] | None = None) -> torch.Tensor:
     """`logits` [rows, vocab] float32 with bias and penalties applied (a new tensor if any applied).
 
-    `histories[i]` is (token ids, prompt length) of row i's sequence: prompt followed by output.
+    `histories[i]` is (token ids, prompt length) of row i's sequence: prompt followed by output;
+    `bad_words_ids[i]` the token sequences row i's bad_words stand for (bad_words_token_ids).
     """
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
@@ -39,6 +43,23 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     device = logits.device
     idx = torch.tensor(rows, device=device)
     sub = logits[idx]
+
+    for j, i in enumerate(rows):
+        allowed = params[i].allowed_token_ids
+        if allowed is not None:
+            keep = torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=device)
+            masked = torch.full_like(sub[j], float("-inf"))
+            masked[keep] = sub[j, keep]
+            sub[j] = masked
+        if bad_words_ids is not None and bad_words_ids[i]:
+            tokens, prompt_len = histories[i]
+            output = list(tokens[prompt_len:])
+            for word in bad_words_ids[i]:
+                # vLLM's rule: ban the word's last token where the output ends with the rest of it.
+                prefix = list(word[:-1])
+                if len(prefix) <= len(output) and (not prefix or output[-len(prefix):] == prefix) \
+                        and word[-1] < vocab:
+                    sub[j, word[-1]] = float("-inf")
 
     bias_rows, bias_toks, bias_vals = [], [], []
     for j, i in enumerate(rows):

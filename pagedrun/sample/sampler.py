@@ -30,6 +30,7 @@ class SamplingRow:
     # The sequence's token ids (prompt then output) and prompt length, read by the penalties only.
     history: tuple[list[int], int] = ((), 0)
     grammar: Any = None  # structured/grammar.Grammar of a constrained sequence: masks its logits
+    bad_words_ids: tuple = ()  # the token sequences of params.bad_words (bad_words_token_ids)
 
 
 @dataclass
@@ -41,6 +42,9 @@ class SampleResult:
     # Rows that had nothing to sample from (NaN or infinite logits after penalties and masks), and why: their
     # token is a placeholder the engine never appends; the request fails alone (engine.py).
     errors: dict[int, str] = field(default_factory=dict)
+    # Scheduled input index -> one entry per position of its chunk that precedes a prompt token
+    # (prompt_logprobs; filled in by the worker): {"token_id", "logprob", "rank", "top"}.
+    prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)
 
 
 UNSAMPLEABLE = ("sampling: no finite distribution to sample from (NaN or infinite logits after logit_bias, "
@@ -85,7 +89,11 @@ class Sampler:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
             apply_grammar_bitmasks(raw, constrained, [rows[i].grammar for i in constrained])
-        logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
+        bad_words = [r.bad_words_ids for r in rows]
+        if any(bad_words):
+            logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows], bad_words)
+        else:
+            logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
         token_ids = torch.empty(num_rows, dtype=torch.long)
         errors = dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE)

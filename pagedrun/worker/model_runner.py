@@ -1,7 +1,9 @@
 """ModelRunner: turn one scheduler decision into tensors, run the model, return the logits to sample.
 
 Input: for each scheduled sequence, the token ids to compute, their first position and the
-sequence's block table. Output: logits for the sequences whose step ends at their last token.
+sequence's block table. Output: logits for the sequences whose step ends at their last token; for an input that asks for
+prompt logprobs, also the hidden states of its first `prompt_positions` tokens (`last_prompt_hidden`,
+turned into logits by the worker a slice at a time).
 This is the only place where the scheduler's lists become tensors (AttentionMetadata), so the
 scheduler stays tensor-free and the model stays request-free.
 """
@@ -20,6 +22,7 @@ class ModelInput:
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
     block_tables: list[list[int]]  # one per KV cache group (kv/groups.py)
     sample: bool  # produce logits for the last token
+    prompt_positions: int = 0  # keep the hidden states of this many leading tokens (prompt logprobs)
 
 
 class ModelRunner:
@@ -55,6 +58,13 @@ class ModelRunner:
         """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs."""
         ids, positions, meta = self.build_metadata(inputs)
         hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+        self.last_prompt_hidden: dict[int, torch.Tensor] = {}  # input index -> [prompt_positions, hidden]
+        if any(inp.prompt_positions for inp in inputs):
+            start = 0
+            for i, inp in enumerate(inputs):
+                if inp.prompt_positions:
+                    self.last_prompt_hidden[i] = hidden[start : start + inp.prompt_positions]
+                start += len(inp.token_ids)
         if all(inp.sample and len(inp.token_ids) == 1 for inp in inputs):
             # A decode-only step: every row of hidden is a last token, in order. No gather (on a
             # GPU, no index list copied to the device mid-step).

@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CALIBRATION_TEXT = ("The committee met on Tuesday to review the budget. After a long discussion of schools, "
                     "roads and water, it voted to publish the full report, with its tables, next month.")
 CALIBRATION_TOKENS = 16
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (prompt_logprobs)
 
 
 def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
@@ -74,7 +75,7 @@ class Worker:
                                           self.device.type)
         self.dtype = DTYPES[dtype]
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, recipe.model.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, recipe.model.chat_template)
         cfg = self.model_config
         self.max_model_len = resolve_max_model_len(recipe.model.max_model_len, cfg)
         # The KV cache spec (element type, scales, bytes per token) resolved once, here, and passed
@@ -136,15 +137,41 @@ class Worker:
     def execute(self, inputs: list[tuple[list[int], int, list[int], bool]],
                 row_of: list[int], rows: list[tuple]) -> SampleResult | None:
         """inputs: per scheduled sequence (new token ids, first position, block tables (one per KV
-        cache group), samples);
+        cache group), samples[, prompt logprobs: None or (top-N, the next prompt token of each of
+        the chunk's leading positions)]);
         rows: per sampled row (params, generator, history, grammar), row_of[i] the logits row of
         rows[i] (a prompt about to fork into n samples n rows from its one row of logits)."""
-        model_inputs = [ModelInput(*i) for i in inputs]
+        model_inputs = [ModelInput(*i[:4], len(i[4][1]) if len(i) > 4 and i[4] else 0) for i in inputs]
         try:
             logits = self.runner.execute(model_inputs)
+            prompt_lps = {j: self._prompt_logprobs(self.runner.last_prompt_hidden[j], *inputs[j][4])
+                          for j in self.runner.last_prompt_hidden}
         except CUDA_OOM as e:
             raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in model_inputs), e) from None
         if not rows:
-            return None
+            return SampleResult([], [], prompt_logprobs=prompt_lps) if prompt_lps else None
         expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]
-        return self.sampler(expanded, [SamplingRow(*r) for r in rows])
+        result = self.sampler(expanded, [SamplingRow(*r) for r in rows])
+        result.prompt_logprobs = prompt_lps
+        return result
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, hidden: torch.Tensor, top_n: int, targets: list[int]) -> list[dict]:
+        """Per position of `hidden`: the log-softmax (float32) of its logits at `targets[k]` (the next
+        prompt token), that token's rank (1 = the most likely), and the top_n tokens. Logits are
+        made PROMPT_LOGITS_ROWS positions at a time, so a long prefill chunk never holds
+        [chunk, vocab] of them at once."""
+        out: list[dict] = []
+        for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            lp = self.model.compute_logits(hidden[a : a + PROMPT_LOGITS_ROWS]).float().log_softmax(dim=-1)
+            tgt = torch.tensor(targets[a : a + PROMPT_LOGITS_ROWS], device=lp.device)
+            chosen = lp.gather(1, tgt.unsqueeze(1))
+            ranks = (lp > chosen).sum(dim=1) + 1
+            top_vals = top_ids = None
+            if top_n > 0:
+                top_vals, top_ids = lp.topk(top_n, dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for k, (t, v, r) in enumerate(zip(tgt.tolist(), chosen.squeeze(1).tolist(), ranks.tolist())):
+                top = [[i, x] for i, x in zip(top_ids[k], top_vals[k])] if top_n > 0 else []
+                out.append({"token_id": t, "logprob": v, "rank": r, "top": top})
+        return out

@@ -64,7 +64,11 @@ def check_line(raw: dict) -> OutputLine:
         return line
     cls = ChatCompletion if body["object"] == "chat.completion" else Completion
     parsed = cls.model_validate(body)
-    assert not parsed.model_extra and all(not c.model_extra for c in parsed.choices)  # nothing unknown
+    # Nothing unknown but vLLM's own additions: a choice's stop_reason, prompt_logprobs (a completion's
+    # choice, a chat response's top level), as vLLM's server writes them.
+    assert set(parsed.model_extra) <= {"prompt_logprobs"}
+    assert all(set(c.model_extra) <= {"stop_reason", "prompt_logprobs"} and "stop_reason" in c.model_extra
+               for c in parsed.choices)
     assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
     return line
 
@@ -114,9 +118,22 @@ def read(path: Path, **kw):
 @pytest.mark.parametrize("line, message", [
     (batch_line("a", "/v1/embeddings", input="x"),
      'url: must be "/v1/chat/completions" or "/v1/completions", got "/v1/embeddings"'),
-    (chat("a", tools=[{"type": "function"}]), "body.tools: not supported by pagedrun"),
+    (chat("a", tools="x"), "body.tools: must be a list of tool objects"),
+    (chat("a", chat_template_kwargs=[1]), "body.chat_template_kwargs: must be an object of template variables"),
+    (chat("a", add_generation_prompt=True, continue_final_message=True),
+     "body.continue_final_message: excludes add_generation_prompt: true (give one)"),
+    (chat("a", guided_regex="a+", guided_choice=["b"]),
+     "body.guided_regex: give one of guided_regex, guided_choice (one constraint per request)"),
+    (chat("a", response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+     "body.structured_outputs: give one of structured_outputs, response_format (one constraint per request)"),
+    (chat("a", guided_json=5), "body.guided_json: json must be a JSON Schema object, got {\"json\": 5}"),
+    (completion("a", echo=1), "body.echo: must be true or false, got 1"),
+    (completion("a", echo=True, logprobs=1), "body.echo: with logprobs is not supported by pagedrun (ask "
+                                             "prompt_logprobs for the prompt's)"),
+    (completion("a", prompt_logprobs=50), "body.prompt_logprobs: must be an integer in 0..20 or null, got 50"),
+    (completion("a", bad_words=[1]), "body.bad_words: must be a list of non-empty strings, got [1]"),
+    (completion("a", chat_template="x"), "body.chat_template: not a field of /v1/completions"),
     (chat("a", stream=True), "body.stream: not supported by pagedrun"),
-    (completion("a", echo=True), "body.echo: not supported by pagedrun"),
     (chat("a", frobnicate=1), "body.frobnicate: unknown field"),
     (chat("a", temperature=-1), "body.temperature: must be a number >= 0 (0 = greedy), got -1"),
     (chat("a", max_completion_tokens=0), "body.max_completion_tokens: must be an integer >= 1, got 0"),
@@ -193,7 +210,7 @@ def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
         completion("completion-n2", max_tokens=5, logprobs=2, n=2, temperature=0.8, seed=7),
         batch_line("bad-url", "/v1/embeddings", input="x"),
         chat("chat-greedy", max_completion_tokens=3),  # duplicate custom_id
-        chat("tools", tools=[{"type": "function"}]),
+        chat("tools", tools="x"),
         completion("tokens", prompt=[5, 6, 7], max_tokens=4),
         completion("too-long", prompt=" ".join(["the"] * 200), max_tokens=4),  # found when tokenized
         "{not json",
@@ -209,7 +226,7 @@ def test_batch_run_writes_the_batch_apis_lines_in_input_order(model, tmp_path):
     assert [p.response.status_code for p in parsed] == [200, 200, 400, 400, 400, 200, 400, 400]
     assert len({p.id for p in parsed}) == len(lines)
     errors = {i: got[i]["response"]["body"]["error"] for i in (2, 3, 4, 6, 7)}
-    assert errors[4]["message"] == "batch.jsonl:5: body.tools: not supported by pagedrun"
+    assert errors[4]["message"] == "batch.jsonl:5: body.tools: must be a list of tool objects"
     assert (errors[4]["param"], errors[4]["code"]) == ("tools", None)
     assert (errors[6]["param"], errors[6]["code"]) == ("prompt", "context_length_exceeded")
     assert errors[6]["message"].startswith("batch.jsonl:7: body.prompt: prompt has 201 tokens")
@@ -382,7 +399,7 @@ NO_OPS = [dict(tool_choice="none"), dict(tool_choice="auto"), dict(tool_choice=N
           dict(modalities=["text"]), dict(stream=False), dict(audio=None),
           dict(tool_choice="none", parallel_tool_calls=False, tools=[])]
 MEANINGFUL = [dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "f"}}),
-              dict(parallel_tool_calls=0), dict(parallel_tool_calls="false"), dict(tools=[{"type": "function"}]),
+              dict(parallel_tool_calls=0), dict(parallel_tool_calls="false"),
               dict(modalities=["text", "audio"]), dict(stream=True), dict(stream=0), dict(function_call="f")]
 
 
@@ -483,3 +500,54 @@ def test_completion_logprobs_skip_the_stop_token(byte_level):
                                                                         logprobs=True, top_logprobs=2), job, byte_level)
     lp = line["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(ids) and "</s>" not in lp["tokens"]
+
+
+# ---------------------------------------------------------------- vLLM's body fields (issue 39)
+
+def test_vllm_body_fields_echo_prompt_logprobs_stop_reason_cached_tokens(model, tmp_path):
+    ids = list(range(10, 30))  # 20 tokens: one full block of 16 shared by the two lines after it
+    lines = [
+        completion("echo", echo=True, max_tokens=3),
+        completion("plp", prompt=[5, 6, 7, 8], prompt_logprobs=2, max_tokens=2),
+        completion("first", prompt=ids, max_tokens=2),
+        completion("again", prompt=ids[:18], max_tokens=2, skip_special_tokens=False, bad_words=["Paris"]),
+        chat("plp-chat", max_completion_tokens=2, prompt_logprobs=1, chat_template_kwargs={"x": 1}),
+    ]
+    out = tmp_path / "out.jsonl"
+    result = invoke(model, write(tmp_path / "batch.jsonl", lines), out)
+    assert result.exit_code == 0, result.output
+    got = {r["custom_id"]: r["response"]["body"] for r in records(out)}
+    for r in records(out):
+        check_line(r)
+    echo = got["echo"]["choices"][0]
+    assert echo["text"].startswith("the capital of France is") and echo["stop_reason"] is None
+    plp = got["plp"]["choices"][0]["prompt_logprobs"]
+    assert len(plp) == 4 and plp[0] is None
+    for j in (1, 2, 3):
+        own = plp[j][str([5, 6, 7, 8][j])]
+        assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        assert 2 <= len(plp[j]) <= 3  # the top 2, and the prompt's token when it is not among them
+    assert got["again"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert got["echo"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    chat_plp = got["plp-chat"]["prompt_logprobs"]
+    assert chat_plp[0] is None and len(chat_plp) == got["plp-chat"]["usage"]["prompt_tokens"]
+
+
+def test_structured_outputs_and_legacy_guided_fields_in_a_body(tmp_path):
+    from pagedrun.io.requests import LineChecker
+
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    checker = LineChecker("batch.jsonl", SamplingParams(), vocab_size=640, tokenizer=None, batch_job=job)
+    line = completion("a", prompt=[5], structured_outputs={"regex": "a+"})
+    with pytest.raises(Exception, match="needs the model's tokenizer"):  # a constraint is read, then needs text
+        checker.check(json.dumps(line).encode(), 1)
+    from pagedrun.io.openai_batch import parse_batch_line
+
+    assert parse_batch_line(completion("a", guided_regex="a+")).overrides["structured_outputs"] == {"regex": "a+"}
+    req = parse_batch_line(chat("b", guided_json={"type": "object"}))
+    assert req.overrides["structured_outputs"] == {"json": {"type": "object"}} and req.deprecated == "guided_json"
+    assert parse_batch_line(chat("c", structured_outputs={"choice": ["x"]})).deprecated is None
+    req = parse_batch_line(chat("d", chat_template_kwargs={"enable_thinking": False}, tools=[{"type": "function"}],
+                                continue_final_message=True))
+    assert req.chat == {"chat_template_kwargs": {"enable_thinking": False}, "tools": [{"type": "function"}],
+                        "continue_final_message": True, "add_generation_prompt": False}
