@@ -261,7 +261,18 @@ def count_params(model_dir: Path) -> dict:
                 if k.endswith("lm_head.weight"):
                     has_head, head_n = True, n
     head = head_n if has_head else embed
-    return {"total": total, "embedding": embed, "matmul": total - embed if has_head else total, "head": head}
+    matmul = total - embed if has_head else total
+    # A mixture of experts computes each token with its top-k experts only: the experts it skips do
+    # no useful FLOPs (counting them put MoE engines above the roof).
+    inactive = 0
+    try:
+        from pagedrun.models.loader import read_config
+
+        cfg = read_config(model_dir)
+        inactive = cfg.num_parameters() - cfg.active_parameters()
+    except Exception:  # a folder pagedrun cannot parse: the headers' count, as before
+        pass
+    return {"total": total, "embedding": embed, "matmul": matmul - inactive, "head": head, "inactive_experts": inactive}
 
 
 # ---- comparison -------------------------------------------------------------------------------------
@@ -330,7 +341,8 @@ def summarise(rows, mismatches, requests, workload, model, model_dir, params, dt
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "max_output_tokens": sum(r.max_tokens for r in requests)},
         "matmul_flops_per_s": flops,
-        "roofline_note": "fraction = 2 x (layer matmul parameters x (prompt tokens not served from the engine's "
+        "roofline_note": "fraction = 2 x (layer matmul parameters (a mixture of experts: those of the top-k "
+                         "experts a token uses) x (prompt tokens not served from the engine's "
                          "prefix cache (prefix_hit_tokens) + output tokens) + LM head parameters x output tokens) "
                          "/ wall_s / roof FLOP/s; the roof (see 'roof') is the higher of two "
                          "measurements, before and after the engines; executed_* counts padding and "
