@@ -107,6 +107,8 @@ def request_window(recipe) -> int:
 
 
 def print_startup(console: Console, llm, load_s: float) -> None:
+    from pagedrun.config.hf_cache import model_id_of
+
     e = llm.engine
     m = e.memory
     cfg = e.model_config
@@ -117,7 +119,7 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     active = cfg.active_parameters()
     active = f" ({active / 1e6:.1f}M active)" if active != cfg.num_parameters() else ""
     console.print(
-        f"[bold]model[/] {e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params"
+        f"[bold]model[/] {model_id_of(e.worker.model_dir) or e.worker.model_dir.name} ({cfg.architecture}, {cfg.num_parameters() / 1e6:.1f}M params"
         f"{active}, {dtype}, {e.worker.device}) loaded in {load_s:.1f}s; attention backend: {e.worker.backend.name}",
         highlight=False,
     )

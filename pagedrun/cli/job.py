@@ -381,7 +381,10 @@ def request_checker(recipe):
 
 
 def model_name(recipe) -> str:
-    """The model's name in a batch file's outputs: its directory's (SmolLM2-135M-Instruct by default)."""
+    """The model's name in outputs and the report: a Hugging Face cache snapshot's id (Qwen/Qwen3-0.6B),
+    else its directory's name (SmolLM2-135M-Instruct by default)."""
+    from pagedrun.config.hf_cache import model_id_of
     from pagedrun.models.loader import resolve_model_dir
 
-    return resolve_model_dir(recipe.model.path).name
+    folder = resolve_model_dir(recipe.model.path)
+    return model_id_of(folder) or folder.name

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from pagedrun.config import hf_cache
 from pagedrun.sampling_params import (
     FIELD_NAMES as SAMPLING_FIELDS,
 )
@@ -176,8 +177,14 @@ def model_path(v: str, base: Path) -> str:
         return v
     p = Path(v).expanduser()
     p = p if p.is_absolute() else base / p
+    if not p.exists() and hf_cache.looks_like_id(v):  # a Hugging Face id, from the local cache only
+        snapshot = hf_cache.snapshot_of(v)
+        if snapshot is None:
+            raise InvalidValue(hf_cache.missing_message(v))
+        return str(snapshot.resolve())
     if not p.exists():
-        raise InvalidValue(f'must be "{DEFAULT_MODEL}" or an existing model directory; {p} does not exist')
+        raise InvalidValue(f'must be "{DEFAULT_MODEL}", an existing model directory or a Hugging Face id in the '
+                           f'local cache; {p} does not exist')
     return str(p.resolve())
 
 
