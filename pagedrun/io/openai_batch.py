@@ -263,6 +263,11 @@ def response_format_fields(fmt: Any) -> dict | None:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise BatchLineError("body.response_format", 'json_schema needs {"json_schema": {"name", "schema": {...}}}')
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BatchLineError("body.response_format", f"json_schema.strict must be true or false, got {strict!r}")
+    if strict is False:  # OpenAI's own switch: the schema's rules only, extra properties where it allows them
+        return {"json": spec["schema"], "disable_additional_properties": False}
     return {"json": spec["schema"]}
 
 
@@ -351,6 +356,8 @@ def output_line(o, batch: BatchLine, job: BatchJob, tokenizer: Any) -> dict:
     for c in o.outputs:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": _FINISH.get(c.finish_reason, "stop"),
                                   "logprobs": None, "stop_reason": c.stop_reason}
+        if getattr(c, "structured_output_incomplete", False):  # cut by max_tokens inside its structure
+            choice["structured_output_incomplete"] = True
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
             if batch.logprobs:

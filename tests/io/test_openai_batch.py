@@ -65,9 +65,11 @@ def check_line(raw: dict) -> OutputLine:
     cls = ChatCompletion if body["object"] == "chat.completion" else Completion
     parsed = cls.model_validate(body)
     # Nothing unknown but vLLM's own additions: a choice's stop_reason, prompt_logprobs (a completion's
-    # choice, a chat response's top level), as vLLM's server writes them.
+    # choice, a chat response's top level), as vLLM's server writes them; and pagedrun's one flag on a
+    # constrained choice cut by max_tokens (structured_output_incomplete).
     assert set(parsed.model_extra) <= {"prompt_logprobs"}
-    assert all(set(c.model_extra) <= {"stop_reason", "prompt_logprobs"} and "stop_reason" in c.model_extra
+    assert all(set(c.model_extra) <= {"stop_reason", "prompt_logprobs", "structured_output_incomplete"}
+               and "stop_reason" in c.model_extra
                for c in parsed.choices)
     assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
     return line
@@ -551,3 +553,17 @@ def test_structured_outputs_and_legacy_guided_fields_in_a_body(tmp_path):
                                 continue_final_message=True))
     assert req.chat == {"chat_template_kwargs": {"enable_thinking": False}, "tools": [{"type": "function"}],
                         "continue_final_message": True, "add_generation_prompt": False}
+
+
+@pytest.mark.parametrize("incomplete", [False, True])
+def test_a_cut_structured_output_says_so_in_the_batch_line(byte_level, incomplete):
+    from pagedrun.io.openai_batch import BatchLine, output_line
+
+    o = finished([5, 6, 7], "length")
+    o.outputs[0].structured_output_incomplete = incomplete
+    job = BatchJob(input_sha256="0" * 64, model="m", created=1)
+    line = output_line(o, BatchLine(custom_id="a", url="/v1/chat/completions"), job, byte_level)
+    check_line(line)
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice.get("structured_output_incomplete", False) is incomplete

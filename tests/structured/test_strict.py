@@ -116,3 +116,18 @@ def test_an_output_complete_exactly_at_max_tokens_is_not_incomplete(tiny):
     c = llm.generate([{"prompt": "p", "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": n}],
                      use_tqdm=False)[0].outputs[0]
     assert c.finish_reason == "length" and c.text in ("yes", "no") and not c.structured_output_incomplete
+
+
+def test_openai_json_schema_strict_false_is_the_lenient_mode():
+    from pagedrun.io.openai_batch import BatchLineError, response_format_fields
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    spec = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert response_format_fields(spec) == {"json": schema}  # the recipe's default: strict
+    spec["json_schema"]["strict"] = True
+    assert response_format_fields(spec) == {"json": schema}
+    spec["json_schema"]["strict"] = False
+    assert response_format_fields(spec) == {"json": schema, "disable_additional_properties": False}
+    spec["json_schema"]["strict"] = "no"
+    with pytest.raises(BatchLineError, match="json_schema.strict must be true or false"):
+        response_format_fields(spec)
