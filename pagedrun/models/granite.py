@@ -21,20 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import (
-    Linear,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaModel,
-    RMSNorm,
-    VocabEmbedding,
 )
 from pagedrun.models.moe import FusedMoE
 from pagedrun.models.moe_models import MoEForCausalLM
-from pagedrun.models.rope import RotaryEmbedding
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
@@ -58,32 +52,11 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         return (h * m if m != 1.0 else h), residual
 
 
-class GraniteModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(GraniteDecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-
 class GraniteForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's loading, packing and head, Granite's layers and scalars."""
 
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
-    ) -> None:
-        nn.Module.__init__(self)  # not LlamaForCausalLM's: that builds Llama layers
-        self.config = config
-        self.dtype = dtype
-        with torch.device(device):
-            self.model = GraniteModel(config, dtype)
-            self.lm_head = (
-                None
-                if config.tie_word_embeddings
-                else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-            )
-        self.rotary_emb = RotaryEmbedding(config).to(device)
-        self.layer_runner = None  # set once the weights are packed (LlamaForCausalLM's processing)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__(config, dtype, device, make_layer=lambda i: GraniteDecoderLayer(config, dtype, i))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.config.embedding_multiplier
@@ -97,16 +70,9 @@ class GraniteMoeForCausalLM(MoEForCausalLM):
     """MoEForCausalLM's experts and loading, Granite's layers and scalars."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        nn.Module.__init__(self)  # not MoEForCausalLM's: that builds Llama layers
-        self.config = config
-        self.dtype = dtype
-        with torch.device(device):
-            self.model = LlamaModel(config, dtype, lambda i: GraniteDecoderLayer(config, dtype, i,
-                                                                                 mlp=FusedMoE(config, dtype)))
-            self.lm_head = (None if config.tie_word_embeddings
-                            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
-        self.rotary_emb = RotaryEmbedding(config).to(device)
-        self.layer_runner = None  # LayerRunner.for_model declines MoE layers
+        # LlamaForCausalLM's, not MoEForCausalLM's (that builds Llama layers); the runner declines MoE
+        LlamaForCausalLM.__init__(self, config, dtype, device, make_layer=lambda i: GraniteDecoderLayer(
+            config, dtype, i, mlp=FusedMoE(config, dtype)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.config.embedding_multiplier

@@ -216,8 +216,9 @@ _STACKED = (
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", make_layer=None
     ) -> None:
+        """make_layer(i): a family's decoder layer i (LlamaModel's hook; default: Llama's)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -227,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         # (docs/log/2026-11-25-amx-gemm-prefetch.md,
         # docs/log/2026-11-27-figures-from-code-comments.md).
         with torch.device(device):
-            self.model = LlamaModel(config, dtype)
+            self.model = LlamaModel(config, dtype, make_layer)
             self.lm_head = (
                 None
                 if config.tie_word_embeddings

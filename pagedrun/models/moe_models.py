@@ -16,18 +16,14 @@ import re
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from pagedrun.errors import PagedrunError
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import (
-    Linear,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaModel,
     RMSNorm,
-    RotaryEmbedding,
 )
 from pagedrun.models.moe import FusedMoE
 
@@ -70,9 +66,6 @@ class MoEForCausalLM(LlamaForCausalLM):
     experts are stacked here."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        nn.Module.__init__(self)  # not LlamaForCausalLM's: that builds dense layers
-        self.config = config
-        self.dtype = dtype
         moe = config.moe
         assert moe is not None
         attention = OlmoeAttention if config.qk_norm_whole else LlamaAttention
@@ -81,12 +74,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             mlp = FusedMoE(config, dtype) if moe.sparse_layers[i] else None
             return LlamaDecoderLayer(config, dtype, i, mlp=mlp, self_attn=attention(config, dtype, i))
 
-        with torch.device(device):
-            self.model = LlamaModel(config, dtype, make_layer)
-            self.lm_head = (None if config.tie_word_embeddings
-                            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
-        self.rotary_emb = RotaryEmbedding(config).to(device)
-        self.layer_runner = None  # LayerRunner.for_model declines MoE layers
+        super().__init__(config, dtype, device, make_layer)  # LayerRunner.for_model declines MoE layers
 
     def moe_blocks(self) -> list[tuple[int, FusedMoE]]:
         return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, FusedMoE)]
