@@ -179,7 +179,8 @@ def test_model_path_relative_to_recipe_dir(tmp_path, monkeypatch):
 
 def test_model_path_missing(tmp_path):
     msg = error_of(write(tmp_path, "model:\n  path: no/such/dir\n"))
-    assert msg.startswith("recipe.yaml:2: model.path: must be \"default\" or an existing model directory;")
+    assert msg.startswith("recipe.yaml:2: model.path: must be \"default\", an existing model directory or a "
+                          "Hugging Face id in the local cache;")
     assert str(tmp_path / "no/such/dir") in msg
 
 
