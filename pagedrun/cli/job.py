@@ -83,7 +83,7 @@ class OutputRecords:
 
         if self.job is None:
             return invalid_record(bad)
-        from pagedrun.io.openai_batch import error_line
+        from pagedrun.io.batch_output import error_line
 
         return error_line(bad.id, bad.custom_id, bad.code, bad.error)
 
@@ -92,7 +92,7 @@ class OutputRecords:
 
         if self.job is None or batch is None:
             return output_record(o)
-        from pagedrun.io.openai_batch import output_line
+        from pagedrun.io.batch_output import output_line
 
         return output_line(o, batch, self.job, self.tokenizer)
 

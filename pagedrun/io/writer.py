@@ -50,7 +50,7 @@ from pagedrun.io.file_safety import (
     report_path,
     temp_path,
 )
-from pagedrun.io.openai_batch import is_failed_line
+from pagedrun.io.batch_output import is_failed_line
 
 META_VERSION = 1
 

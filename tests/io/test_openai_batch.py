@@ -376,7 +376,7 @@ def test_created_is_one_value_per_output_file(model, tmp_path, how, keep):
      None),
 ])
 def test_failed_lines_take_the_batch_apis_shape(code, message, status, param):
-    from pagedrun.io.openai_batch import error_line, is_failed_line
+    from pagedrun.io.batch_output import error_line, is_failed_line
     from pagedrun.io.writer import is_error_record
 
     job = BatchJob(input_sha256="0" * 64, model="m", created=1)
@@ -472,7 +472,8 @@ def finished(token_ids, finish_reason="length", stop_reason=None, top=2):
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("ending", ["length", "eos", "stop_token", "stop_string"])
 def test_chat_logprob_bytes_rebuild_the_text_and_skip_the_stop_token(byte_level, text, ending):
-    from pagedrun.io.openai_batch import BatchLine, output_line
+    from pagedrun.io.batch_output import output_line
+    from pagedrun.io.openai_batch import BatchLine
 
     ids = byte_level.encode(text, add_special_tokens=False)
     assert any("\ufffd" in byte_level.decode([t]) for t in ids) or text.isascii()  # split characters
@@ -493,7 +494,8 @@ def test_chat_logprob_bytes_rebuild_the_text_and_skip_the_stop_token(byte_level,
 
 
 def test_completion_logprobs_skip_the_stop_token(byte_level):
-    from pagedrun.io.openai_batch import BatchLine, output_line
+    from pagedrun.io.batch_output import output_line
+    from pagedrun.io.openai_batch import BatchLine
 
     ids = byte_level.encode("hello world", add_special_tokens=False)
     eos = byte_level.convert_tokens_to_ids("</s>")
@@ -557,7 +559,8 @@ def test_structured_outputs_and_legacy_guided_fields_in_a_body(tmp_path):
 
 @pytest.mark.parametrize("incomplete", [False, True])
 def test_a_cut_structured_output_says_so_in_the_batch_line(byte_level, incomplete):
-    from pagedrun.io.openai_batch import BatchLine, output_line
+    from pagedrun.io.batch_output import output_line
+    from pagedrun.io.openai_batch import BatchLine
 
     o = finished([5, 6, 7], "length")
     o.outputs[0].structured_output_incomplete = incomplete
