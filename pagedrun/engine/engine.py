@@ -109,6 +109,8 @@ class LLMEngine:
         key = tuple(sampling.bad_words)
         got = self._bad_words_cache.get(key)
         if got is None:
+            if len(self._bad_words_cache) > 4096:  # a list per request would otherwise grow with the job
+                self._bad_words_cache.clear()
             got = self._bad_words_cache[key] = bad_words_token_ids(sampling.bad_words, self.tokenizer)
         return got
 
