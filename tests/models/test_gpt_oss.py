@@ -157,3 +157,19 @@ def test_report_gives_active_and_total_parameters(gpt_oss_dir, tmp_path):
                                         + cfg.hidden_size)
     assert run["active_parameters"] == run["parameters"] - idle
     assert "active" in res.output  # the start-up line says so too
+
+
+def test_prefix_cache_hits_past_the_window_match_hf(gpt_oss_dir):
+    """Requests sharing a 26-token prefix (three windows of 8 and more) run after one another, so the
+    later ones hit the prefix cache, in the sliding groups too; tokens still equal HF's."""
+    prefix = random_prompts(640, [26], seed=21)[0]
+    prompts = [prefix + tail for tail in random_prompts(640, [3, 5, 1], seed=22)]
+    llm = LLM(None, [f"model.path={gpt_oss_dir}", "model.dtype=float32", "cache.block_size=8",
+                     "cache.num_blocks=64"])
+    got = []
+    for p in prompts:  # one at a time: each finds the previous one's blocks cached
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                           use_tqdm=False)
+        got.append(out[0].outputs[0].token_ids)
+    assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 2 * 24
+    assert got == hf_greedy_cached(gpt_oss_dir, prompts, MAX_NEW)[0]

@@ -446,3 +446,15 @@ def test_smollm2_upcycled_into_mixtral_matches_hf(default_model, tmp_path):
     want = hf_greedy_cached(dst, prompts, MAX_NEW)[0]
     assert [g[0] for g in got] == want
     assert want != hf_greedy_cached(default_model, prompts, MAX_NEW)[0]  # the experts and router matter
+
+
+def test_prefix_cache_hits_match_hf(moe_dirs):
+    """Requests sharing a prefix run after one another (prefix-cache hits): tokens equal HF's."""
+    model_dir = moe_dirs["qwen2_moe"]
+    prefix = random_prompts(640, [21], seed=31)[0]
+    prompts = [prefix + tail for tail in random_prompts(640, [4, 2], seed=32)]
+    llm = LLM(None, [f"model.path={model_dir}", "model.dtype=float32", "cache.block_size=8", "cache.num_blocks=64"])
+    got = [llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16
+    assert got == hf_greedy_cached(model_dir, prompts, MAX_NEW)[0]
