@@ -47,12 +47,13 @@ class GptOssAttention(LlamaAttention):
 class GptOssForCausalLM(MoEForCausalLM):
     """MoEForCausalLM's forward and head; GPT-OSS's attention, float32 norms and expert layout."""
 
+    attention_class = GptOssAttention
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__(config, dtype, device)
         eps, h = config.rms_norm_eps, config.hidden_size
-        with torch.device(device):
-            for i, layer in enumerate(self.model.layers):
-                layer.self_attn = GptOssAttention(config, dtype, i)
+        with torch.device(device):  # (norms are a few KB: replaced, not threaded through the layer)
+            for layer in self.model.layers:
                 layer.input_layernorm = RMSNorm(h, eps, torch.float32)
                 layer.post_attention_layernorm = RMSNorm(h, eps, torch.float32)
             self.model.norm = RMSNorm(h, eps, torch.float32)

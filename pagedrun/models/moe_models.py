@@ -65,10 +65,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's forward, head and loading of everything but the experts; the MoE layers'
     experts are stacked here."""
 
+    attention_class = LlamaAttention  # a family's own (GPT-OSS's, with sinks) in a subclass
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         moe = config.moe
         assert moe is not None
-        attention = OlmoeAttention if config.qk_norm_whole else LlamaAttention
+        attention = OlmoeAttention if config.qk_norm_whole else self.attention_class
 
         def make_layer(i: int) -> LlamaDecoderLayer:
             mlp = FusedMoE(config, dtype) if moe.sparse_layers[i] else None
