@@ -125,6 +125,8 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     )
     if defaults is not None:
         console.print(defaults.generation_line(), highlight=False, markup=False, soft_wrap=True)
+        if defaults.scheduler_note:
+            console.print(f"scheduler: {defaults.scheduler_note}", highlight=False, markup=False, soft_wrap=True)
     from pagedrun.report.report import cpu_kernels_status
 
     kernels = cpu_kernels_status(e)

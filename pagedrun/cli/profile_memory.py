@@ -28,8 +28,10 @@ SCHEMA = "pagedrun.profile-memory/1"
 def run_profile_memory(*, recipe_path: Path | None, overrides: list[str], prompts: Path | None,
                        json_path: Path | None, console: Console) -> int:
     from pagedrun.llm import LLM
+    from pagedrun.models.model_defaults import apply_model_defaults
 
-    recipe = load_recipe(recipe_path, overrides)
+    # resolved here (LLM would do it too) so that the report shows what ran: dtype, CUDA's scheduler
+    recipe = apply_model_defaults(load_recipe(recipe_path, overrides))
     if prompts is not None and not Path(prompts).is_file():
         raise PagedrunError(f"{prompts}: prompts file not found")
     try:

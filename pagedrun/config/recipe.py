@@ -116,6 +116,8 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
+    # The CPU's defaults; on CUDA, where unset, models/model_defaults.py raises them to vLLM's
+    # (CUDA_SCHEDULER_DEFAULTS): a GPU step costs about the same at 64 rows as at 256.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
@@ -158,12 +160,21 @@ class Recipe:
     explicit_sampling: frozenset[str] | None = field(default=None, compare=False, repr=False)
     # What models/model_defaults.py resolved (dtype: auto, generation_config.json): None until then.
     model_defaults: Any = field(default=None, compare=False, repr=False)
+    # Every "section.key" the recipe file, --set, a flag or an engine argument set; None for a Recipe
+    # built in Python (then a key counts as set when it differs from the default).
+    explicit_keys: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("source", "explicit_sampling", "model_defaults"):
+        for k in ("source", "explicit_sampling", "model_defaults", "explicit_keys"):
             del d[k]
         return d
+
+    def is_set(self, section: str, key: str) -> bool:
+        """Whether the recipe itself decides section.key (else a device default may replace it)."""
+        if self.explicit_keys is not None:
+            return f"{section}.{key}" in self.explicit_keys
+        return getattr(getattr(self, section), key) != getattr(getattr(Recipe(), section), key)
 
     def sampling_set_by_recipe(self) -> frozenset[str]:
         """The sampling fields the recipe itself decides, which the model's generation config leaves alone."""
@@ -293,6 +304,7 @@ class _Builder:
             structured_outputs=StructuredOutputsConfig(**v["structured_outputs"]),
             source=source,
             explicit_sampling=frozenset(self.explicit_sampling),
+            explicit_keys=frozenset(self.origin),
         )
 
 

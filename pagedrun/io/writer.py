@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
+from pagedrun.io.batch_output import is_failed_line
 from pagedrun.io.file_safety import (
     OutputLock,
     check_derived,
@@ -50,7 +51,6 @@ from pagedrun.io.file_safety import (
     report_path,
     temp_path,
 )
-from pagedrun.io.batch_output import is_failed_line
 
 META_VERSION = 1
 

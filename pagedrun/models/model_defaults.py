@@ -38,6 +38,9 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penal
 # The default model is converted from its GGUF (models/default_model.py): float32 weights and a
 # generation_config.json with token ids only.
 _DEFAULT_MODEL_DTYPE = "float32"
+# scheduler defaults on CUDA for what the recipe leaves unset: vLLM's max_num_seqs (256) and its
+# offline (LLM class) token budget on GPUs below 70 GiB (8192). The CPU keeps the recipe's (64, 2048).
+CUDA_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ModelDefaults:
     dtype: str  # the dtype that runs
     dtype_note: str | None = None  # how auto became it, when it was auto
     source: str | None = None  # the generation_config.json read, or None
+    scheduler_note: str | None = None  # the CUDA scheduler defaults applied, or None
     applied: dict[str, Any] = field(default_factory=dict)  # sampling field -> value from the file
     overridden: list[str] = field(default_factory=list)  # the file's fields the recipe sets itself
     mode: str = "auto"
@@ -92,10 +96,26 @@ def apply_model_defaults(recipe: Recipe, *, resolve_dtype: bool = True) -> Recip
     if resolve_dtype and dtype == "auto":
         dtype, note = resolve_auto_dtype(model_dir, recipe.model.device)
     read = gen_file is not None and gen_file.is_file()
+    scheduler, sched_note = device_scheduler_defaults(recipe)
     info = ModelDefaults(dtype=dtype, dtype_note=note, source=str(gen_file) if read else None,
+                         scheduler_note=sched_note,
                          applied=applied, overridden=sorted(k for k in file_values if k in own), mode=mode)
     model = dataclasses.replace(recipe.model, dtype=dtype)
-    return dataclasses.replace(recipe, model=model, sampling=sampling, model_defaults=info)
+    return dataclasses.replace(recipe, model=model, sampling=sampling, scheduler=scheduler, model_defaults=info)
+
+
+def device_scheduler_defaults(recipe: Recipe):
+    """(the scheduler section, a note or None): on CUDA the keys the recipe leaves unset take
+    CUDA_SCHEDULER_DEFAULTS; elsewhere the section is unchanged."""
+    device = recipe.model.device
+    on_cuda = _cuda_available() if device == "auto" else device == "cuda"
+    if not on_cuda:
+        return recipe.scheduler, None
+    raised = {k: v for k, v in CUDA_SCHEDULER_DEFAULTS.items() if not recipe.is_set("scheduler", k)}
+    if not raised:
+        return recipe.scheduler, None
+    note = ", ".join(f"{k} {v}" for k, v in raised.items()) + " (CUDA defaults; the recipe may set them)"
+    return dataclasses.replace(recipe.scheduler, **raised), note
 
 
 def read_generation_config(path: Path) -> dict[str, Any]:

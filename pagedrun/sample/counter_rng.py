@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedrun.sample.transfer import to_device
+
 _M32 = 0xFFFF_FFFF
 
 
@@ -60,7 +62,7 @@ def _columns(vocab: int, device: torch.device) -> torch.Tensor:
 
 def exponentials(keys: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab] float32 draws of Exp(1), row r from its key (row_key)."""
-    k = torch.tensor(keys, dtype=torch.int64, device=device).unsqueeze(1)
+    k = to_device(keys, torch.int64, device).unsqueeze(1)
     bits = fmix32(k ^ _columns(vocab, device).unsqueeze(0)) >> 8  # 24 bits: exact in float32
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(uniform)

@@ -20,10 +20,12 @@ The whole batch's counts are built with one scatter-add: rows without penalties 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from pagedrun.sample.transfer import host_to_device, to_device
 from pagedrun.sampling_params import SamplingParams
 
 
@@ -41,13 +43,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits = logits.clone()
     vocab = logits.shape[1]
     device = logits.device
-    idx = torch.tensor(rows, device=device)
+    idx = to_device(rows, torch.long, device)
     sub = logits[idx]
 
     for j, i in enumerate(rows):
         allowed = params[i].allowed_token_ids
         if allowed is not None:
-            keep = torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=device)
+            keep = to_device([t for t in allowed if t < vocab], torch.long, device)
             masked = torch.full_like(sub[j], float("-inf"))
             masked[keep] = sub[j, keep]
             sub[j] = masked
@@ -68,22 +70,23 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
             bias_toks.append(tok)
             bias_vals.append(b)
     if bias_rows:
-        sub.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_toks, device=device)),
-                       torch.tensor(bias_vals, device=device), accumulate=True)
+        sub.index_put_((to_device(bias_rows, torch.long, device), to_device(bias_toks, torch.long, device)),
+                       to_device(bias_vals, torch.float32, device), accumulate=True)
 
     rep = [j for j, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
     if rep:
         seen = _scatter_counts([histories[rows[j]][0] for j in rep], vocab, device) > 0
-        r = torch.tensor([params[rows[j]].repetition_penalty for j in rep], device=device).unsqueeze(1)
-        x = sub[rep]
-        sub[rep] = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        r = to_device([params[rows[j]].repetition_penalty for j in rep], torch.float32, device).unsqueeze(1)
+        rep_idx = to_device(rep, torch.long, device)
+        x = sub[rep_idx]
+        sub[rep_idx] = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
 
     additive = [j for j, i in enumerate(rows) if params[i].frequency_penalty or params[i].presence_penalty]
     if additive:
         counts = _scatter_counts([histories[rows[j]][0][histories[rows[j]][1]:] for j in additive], vocab, device)
-        f = torch.tensor([params[rows[j]].frequency_penalty for j in additive], device=device).unsqueeze(1)
-        p = torch.tensor([params[rows[j]].presence_penalty for j in additive], device=device).unsqueeze(1)
-        sub[additive] -= f * counts + p * (counts > 0).float()
+        f = to_device([params[rows[j]].frequency_penalty for j in additive], torch.float32, device).unsqueeze(1)
+        p = to_device([params[rows[j]].presence_penalty for j in additive], torch.float32, device).unsqueeze(1)
+        sub[to_device(additive, torch.long, device)] -= f * counts + p * (counts > 0).float()
 
     logits[idx] = sub
     return logits
@@ -95,7 +98,9 @@ def _scatter_counts(token_lists: list[Sequence[int]], vocab: int, device: torch.
     lengths = [len(t) for t in token_lists]
     if sum(lengths) == 0:
         return counts
-    flat = torch.tensor([t for toks in token_lists for t in toks], device=device)
-    row = torch.repeat_interleave(torch.arange(len(token_lists), device=device), torch.tensor(lengths, device=device))
+    # One flat array of every list (numpy, not a Python list of the tokens), one copy to the device.
+    flat = host_to_device(torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_lists])),
+                          device)
+    row = torch.repeat_interleave(torch.arange(len(token_lists), device=device), to_device(lengths, torch.long, device))
     counts.index_put_((row, flat), torch.ones(len(flat), device=device), accumulate=True)
     return counts

@@ -19,6 +19,7 @@ import torch
 from pagedrun.sample import counter_rng
 from pagedrun.sample.argmax import argmax_rows
 from pagedrun.sample.penalties import apply_penalties
+from pagedrun.sample.transfer import to_device
 from pagedrun.sampling_params import SamplingParams
 from pagedrun.structured.bitmask import apply_grammar_bitmasks
 
@@ -51,14 +52,11 @@ UNSAMPLEABLE = ("sampling: no finite distribution to sample from (NaN or infinit
                 "penalties and temperature)")
 
 
-def unsampleable_rows(x: torch.Tensor, probabilities: bool = False) -> list[int]:
-    """Rows of logits (or probabilities) with nothing to sample, in one reduction: a row's max is NaN when
-    any entry is, +inf when one is, -inf when every token is masked (0 when every probability is)."""
-    top = x.amax(dim=-1)
-    bad = ~torch.isfinite(top)
-    if probabilities:
-        bad |= top <= 0
-    return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
+def _bad_argmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: rows with nothing to sample, read at their argmax (no second pass over the
+    vocabulary): argmax lands on a NaN where a row holds one, on +inf where one is, and a row that
+    is -inf everywhere has -inf there; a finite value means the row is fine."""
+    return ~torch.isfinite(logits.gather(1, ids.to(logits.device).view(-1, 1)).view(-1))
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -79,13 +77,17 @@ class Sampler:
         self.num_calls = 0  # the unseeded rows' counter on the counter path
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """One token id per row. On a GPU the only host synchronisation is the final read of the ids
+        (every row's id and whether it had anything to sample, in one tensor): parameters go to the
+        device through pinned memory (sample/transfer.py), nothing is read back mid-way."""
         if all(r.grammar is None and r.params.is_greedy and r.params.logprobs is None and not r.params.has_penalties
                for r in rows):
             # The usual case: the argmax of the model's logits (widening bf16 is exact: the same
             # answer as on float32), no float32 copy, no row gather.
-            return SampleResult(argmax_rows(logits).tolist(), [None] * len(rows),
-                                dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE))
+            ids = argmax_rows(logits)
+            return self._read(ids, _bad_argmax(logits, ids), rows, None)
         raw = logits.float()
+        device = raw.device
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # before everything else, as vLLM; unconstrained rows pay nothing
             apply_grammar_bitmasks(raw, constrained, [rows[i].grammar for i in constrained])
@@ -95,28 +97,33 @@ class Sampler:
         else:
             logits = apply_penalties(raw, [r.params for r in rows], [r.history for r in rows])
         num_rows, vocab = logits.shape
-        token_ids = torch.empty(num_rows, dtype=torch.long)
-        errors = dict.fromkeys(unsampleable_rows(logits), UNSAMPLEABLE)
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if len(greedy) == num_rows:  # the usual case: no copy of the rows
-            token_ids = argmax_rows(logits).cpu()
-        elif greedy:
-            idx = torch.tensor(greedy)
-            token_ids[idx] = argmax_rows(logits[idx]).cpu()
         self.num_calls += 1
-        if random:
-            idx = torch.tensor(random)
-            probs = self._processed_probs(logits[idx], [rows[i].params for i in random])
-            for j in unsampleable_rows(probs, probabilities=True):  # e.g. a temperature that overflowed
-                errors.setdefault(random[j], UNSAMPLEABLE)
-                probs[j] = 1.0  # a placeholder draw, never appended: the row's request fails
-            if self.rng == "counter" or (self.rng == "auto" and probs.device.type == "cuda"):
-                exp = counter_rng.exponentials(self._keys(rows, random), vocab, probs.device)
-                token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
-                ids = token_ids.tolist()
-                return SampleResult(ids, self._logprobs(raw, rows, ids), errors)
+        if not random:  # no copy of the rows
+            ids = argmax_rows(logits)
+            return self._read(ids, _bad_argmax(logits, ids), rows, raw)
+        token_ids = torch.zeros(num_rows, dtype=torch.long, device=device)
+        bad = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        if greedy:
+            idx = to_device(greedy, torch.long, device)
+            sub = logits[idx]
+            g_ids = argmax_rows(sub)
+            token_ids[idx] = g_ids.to(device)
+            bad[idx] = _bad_argmax(sub, g_ids)
+        idx = to_device(random, torch.long, device)
+        sub = logits[idx]
+        probs = self._processed_probs(sub, [rows[i].params for i in random])
+        top = probs.amax(dim=-1)
+        # Nothing to sample: NaN or infinite logits (after bias and penalties), or probabilities that
+        # are not finite or all 0 (e.g. a temperature that overflowed). Such a row draws from a
+        # placeholder; its id is never appended and its request fails alone.
+        r_bad = ~torch.isfinite(sub.amax(dim=-1)) | ~torch.isfinite(top) | (top <= 0)
+        probs = torch.where(r_bad[:, None], torch.ones((), device=device), probs)
+        if self.rng == "counter" or (self.rng == "auto" and device.type == "cuda"):
+            exp = counter_rng.exponentials(self._keys(rows, random), vocab, device)
+        else:
             exp = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(random) if rows[i].generator is None]
             if unseeded:
@@ -127,10 +134,20 @@ class Sampler:
                 g = rows[i].generator
                 if g is not None:
                     exp[j] = torch.empty(vocab).exponential_(generator=g).to(exp.device)
-            token_ids[idx] = (probs / exp).argmax(dim=-1).cpu()
+        token_ids[idx] = (probs / exp).argmax(dim=-1)
+        bad[idx] = r_bad
+        return self._read(token_ids, bad, rows, raw)
 
-        ids = token_ids.tolist()
-        return SampleResult(ids, self._logprobs(raw, rows, ids), errors)
+    def _read(self, ids: torch.Tensor, bad: torch.Tensor, rows: list[SamplingRow],
+              raw: torch.Tensor | None) -> SampleResult:
+        """The step's one read back: each row's id, -1 where the row had nothing to sample."""
+        got = torch.where(bad, torch.full_like(ids, -1), ids).tolist()
+        errors = {i: UNSAMPLEABLE for i, t in enumerate(got) if t < 0}
+        if errors:
+            got = [max(t, 0) for t in got]  # a placeholder the engine never appends
+        if raw is None:
+            return SampleResult(got, [None] * len(rows), errors)
+        return SampleResult(got, self._logprobs(raw, rows, got), errors)
 
     def _keys(self, rows: list[SamplingRow], random: list[int]) -> list[int]:
         """The counter path's key per random row: (seed, position of the token drawn); unseeded rows
@@ -147,7 +164,7 @@ class Sampler:
     @staticmethod
     def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        temp = to_device([p.temperature for p in params], torch.float32, device).unsqueeze(1)
         logits = logits / temp
         top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
         top_p = [p.top_p for p in params]
@@ -155,17 +172,17 @@ class Sampler:
         if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(logits.shape[1], device=device).unsqueeze(0)
-            mask = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
+            mask = ranks >= to_device(top_k, torch.long, device).unsqueeze(1)
             sorted_probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
             # Drop a token when the mass strictly before it already reaches top_p; the top one stays.
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            mask |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
+            mask |= mass_before >= to_device(top_p, torch.float32, device).unsqueeze(1)
             mask[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         if any(p > 0.0 for p in min_p):
-            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            threshold = to_device(min_p, torch.float32, device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs

@@ -72,10 +72,13 @@ def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[int], grammars: list
     masked = disallowed_tokens(fill_bitmasks(unique, vocab, mask_vocab), vocab)
     if len(unique) != len(grammars):
         masked = masked[torch.tensor([distinct[id(g)] for g in grammars])]
-    masked = masked.to(logits.device, non_blocking=True)
+    if logits.device.type == "cuda":  # pinned: a non-blocking copy that does not wait for the forward
+        masked = masked.pin_memory().to(logits.device, non_blocking=True)
     with torch.inference_mode():  # the model's logits are inference tensors: in place only in here
         if len(rows) == logits.shape[0]:  # every row constrained, in order
             logits.masked_fill_(masked, float("-inf"))
             return
-        idx = torch.tensor(rows, device=logits.device)
+        idx = torch.tensor(rows)
+        if logits.device.type == "cuda":
+            idx = idx.pin_memory().to(logits.device, non_blocking=True)
         logits[idx] = logits[idx].masked_fill_(masked, float("-inf"))

@@ -193,3 +193,28 @@ def test_the_default_model_sets_no_sampling_defaults(default_model):
     first command and the default-model tests stay greedy."""
     assert read_generation_config(default_model / "generation_config.json") == {}
     assert checkpoint_dtype(default_model) == "float32"
+
+
+def test_cuda_scheduler_defaults_where_the_recipe_leaves_them_unset(tmp_path, monkeypatch):
+    """On CUDA max_num_seqs and max_num_batched_tokens default to vLLM's (256, 8192) unless the recipe,
+    a flag or an engine argument sets them; the CPU keeps 64 and 2048, and its fingerprint."""
+    from pagedrun.config.recipe import Recipe, SchedulerConfig
+
+    model = model_with(tmp_path, None)
+    monkeypatch.setattr(model_defaults, "_cuda_available", lambda: False)
+    cpu = resolved(model)
+    assert (cpu.scheduler.max_num_seqs, cpu.scheduler.max_num_batched_tokens) == (64, 2048)
+    assert cpu.model_defaults.scheduler_note is None
+    monkeypatch.setattr(model_defaults, "_cuda_available", lambda: True)
+    monkeypatch.setattr(model_defaults, "_cuda_bf16", lambda: True)
+    gpu = resolved(model)
+    assert (gpu.scheduler.max_num_seqs, gpu.scheduler.max_num_batched_tokens) == (256, 8192)
+    assert "max_num_seqs 256, max_num_batched_tokens 8192" in gpu.model_defaults.scheduler_note
+    assert gpu.fingerprint() != cpu.fingerprint()  # what runs differs: another job
+    # a value the recipe sets stays, even the CPU default itself
+    kept = resolved(model, "scheduler.max_num_seqs=64")
+    assert (kept.scheduler.max_num_seqs, kept.scheduler.max_num_batched_tokens) == (64, 8192)
+    assert resolved(model, "model.device=cpu").scheduler.max_num_seqs == 64
+    # a Recipe built in Python: a field away from its default counts as set
+    py = apply_model_defaults(Recipe(scheduler=SchedulerConfig(max_num_seqs=32)))
+    assert (py.scheduler.max_num_seqs, py.scheduler.max_num_batched_tokens) == (32, 8192)
