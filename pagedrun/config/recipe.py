@@ -69,6 +69,8 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
 }
 MODEL_DEFAULT_FIELDS = frozenset(GENERATION_CONFIG_FIELDS.values())
+# scheduler keys whose default depends on the device (CUDA's: models/model_defaults.py); null = that default
+DEVICE_DEFAULT_FIELDS = frozenset(("max_num_seqs", "max_num_batched_tokens", "admission_burst"))
 
 @dataclass
 class ModelConfig:
@@ -121,6 +123,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
+    # While sequences decode, waiting requests are admitted only once this many slots are free (or
+    # as many as are waiting): fewer steps mix prefill with decode, which a GPU runs eagerly while
+    # pure decode steps replay a CUDA graph. 1 = vLLM's (admit whenever a slot is free); CUDA's
+    # default is 16 (models/model_defaults.py). It changes no token, only which steps they run in.
+    admission_burst: int = 1
 
 
 @dataclass
@@ -186,9 +193,9 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
-        `output`, `distributed` and cache.hybrid_kv are left out: how often we fsync, whether a
-        report is written, how many replicas share the work, or whether sliding layers free their
-        blocks changes no token. model.generation_config is left out too: what it applied is in
+        `output`, `distributed`, cache.hybrid_kv and scheduler.admission_burst are left out: how often
+        we fsync, whether a report is written, how many replicas share the work, whether sliding
+        layers free their blocks or when waiting requests are admitted changes no token. model.generation_config is left out too: what it applied is in
         `sampling` (once models/model_defaults.py resolved it), so a job is another job exactly when
         a default it ran with changed, and a job started before the key existed still resumes.
         """
@@ -196,6 +203,7 @@ class Recipe:
         del d["output"]
         del d["distributed"]
         del d["cache"]["hybrid_kv"]
+        del d["scheduler"]["admission_burst"]
         del d["model"]["generation_config"]
         if d["structured_outputs"] == asdict(StructuredOutputsConfig()):
             # The default, strict, is left out: a job started before the section existed resumes
@@ -262,6 +270,11 @@ class _Builder:
             if section == "sampling":
                 raise PagedrunError(f"{where(keypath)}: {unknown_sampling_field(key, 'key')}")
             raise PagedrunError(f"{where(keypath)}: unknown key{_did_you_mean(key, checks)}")
+        if section == "scheduler" and key in DEVICE_DEFAULT_FIELDS and value is None:
+            # null: the device's default (models/model_defaults.py raises it on CUDA)
+            self.values[section][key] = getattr(SchedulerConfig(), key)
+            self.origin.pop(keypath, None)
+            return
         if section == "sampling" and key in MODEL_DEFAULT_FIELDS:
             if value is None:  # null: the model's generation config decides, else pagedrun's default
                 self.values[section][key] = getattr(SamplingParams(), key)

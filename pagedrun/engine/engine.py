@@ -45,7 +45,8 @@ class LLMEngine:
         # Sliding-window groups give back what their window left after every step (kv/manager.py).
         self._windowed = any(g.window for g in self.worker.kv_groups.groups)
         self.scheduler = Scheduler(
-            SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, sched.preemption_mode),
+            SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, sched.preemption_mode,
+                            sched.admission_burst),
             self.kv, self.max_model_len,
         )
         eos = set(cfg.eos_token_id)

@@ -9,7 +9,9 @@ Policy (vLLM's, first come first served):
      recently admitted running group is preempted (by recompute, or by swap), until it fits.
   2. If nothing was preempted, swapped-out groups come back (swap in), oldest first.
   3. If nothing was preempted and nothing is swapped out, waiting groups are admitted while the
-     token budget, max_num_seqs and the KV manager's watermark allow.
+     token budget, max_num_seqs and the KV manager's watermark allow; while sequences run, only
+     once admission_burst slots are free (or as many as there are waiting groups), so that
+     admissions come in bursts and most steps are pure decode.
 Steps 2 and 3 never run in a step that preempted, so a block freed by a swap-out is never the
 target of a swap-in in the same step; that makes the fixed execution order
 (swap in, swap out, copy, model) safe.
@@ -34,6 +36,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"  # or "swap"
+    admission_burst: int = 1  # free slots needed to admit while sequences run (recipe.py says why)
 
 
 @dataclass
@@ -203,6 +206,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        burst = self.config.admission_burst
+        if burst > 1 and self.running and self.waiting:
+            free = self.config.max_num_seqs - self.num_running_seqs
+            if free < min(burst, len(self.waiting)):
+                return
         while self.waiting and budget > 0:
             group = self.waiting[0]
             if self.num_running_seqs + group.max_num_seqs > self.config.max_num_seqs:

@@ -40,7 +40,8 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penal
 _DEFAULT_MODEL_DTYPE = "float32"
 # scheduler defaults on CUDA for what the recipe leaves unset: vLLM's max_num_seqs (256) and its
 # offline (LLM class) token budget on GPUs below 70 GiB (8192). The CPU keeps the recipe's (64, 2048).
-CUDA_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+# Admission in bursts of 16 keeps most steps pure decode (CUDA graphs); the CPU admits at once.
+CUDA_SCHEDULER_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "admission_burst": 16}
 
 
 @dataclass

@@ -269,3 +269,38 @@ def test_request_that_can_never_fit_is_an_error_record(model_dirs):
     outs = LLM(recipe).generate([[5] * 30, [6] * 4])
     assert outs[0].error and "KV blocks" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("preempt", [False, True])
+def test_admission_burst_same_tokens_fewer_mixed_steps(model_dirs, preempt):
+    """scheduler.admission_burst: while sequences run, waiting ones are admitted only once that many
+    slots are free (or as many as are waiting). The tokens are HF's either way; fewer steps mix
+    prefill and decode; the tail and preemption never stall."""
+    d = model_dirs["llama"]
+    prompts = prompts_for(640, n=24, seed=3)
+    params = [SamplingParams(max_tokens=1 + (i * 5) % MAX_TOKENS, ignore_eos=True) for i in range(len(prompts))]
+    want = [h[: p.max_tokens] for h, p in zip(hf_greedy(d, prompts), params)]
+    blocks = "cache.num_blocks=24" if preempt else "cache.num_blocks=512"
+    mixed = {}
+    for burst in (1, 4):
+        llm = LLM(load_recipe(None, [f"model.path={d}", f"scheduler.admission_burst={burst}", "scheduler.max_num_seqs=8",
+                                     blocks, "cache.block_size=8"]))
+        sch = llm.engine.scheduler
+        schedule, steps = sch.schedule, []
+
+        def recorded(schedule=schedule, steps=steps, sch=sch):
+            running = sum(len(g.unfinished_seqs()) for g in sch.running)
+            waiting = len(sch.waiting)
+            out = schedule()
+            admitted = sum(1 for s in out.scheduled if s.seq.num_computed_tokens == 0)
+            if burst > 1 and admitted and running and not out.preempted_recompute:
+                # admitted while others ran: the burst's slots (or every waiting group's) were free
+                assert 8 - running >= min(burst, waiting), (running, waiting)
+            steps.append(bool(out.num_prefill_tokens and out.num_decode_tokens))
+            return out
+
+        sch.schedule = recorded
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want, burst
+        mixed[burst] = sum(steps)
+    assert mixed[4] < mixed[1], mixed

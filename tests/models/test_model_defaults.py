@@ -209,7 +209,13 @@ def test_cuda_scheduler_defaults_where_the_recipe_leaves_them_unset(tmp_path, mo
     monkeypatch.setattr(model_defaults, "_cuda_bf16", lambda: True)
     gpu = resolved(model)
     assert (gpu.scheduler.max_num_seqs, gpu.scheduler.max_num_batched_tokens) == (256, 8192)
+    assert gpu.scheduler.admission_burst == 16
     assert "max_num_seqs 256, max_num_batched_tokens 8192" in gpu.model_defaults.scheduler_note
+    # recipes/default.yaml leaves them null: the device's defaults
+    repo = Path(__file__).resolve().parents[2]
+    yaml = apply_model_defaults(load_recipe(repo / "recipes" / "default.yaml", [f"model.path={model}"]))
+    assert (yaml.scheduler.max_num_seqs, yaml.scheduler.admission_burst) == (256, 16)
+    assert yaml.fingerprint() == gpu.fingerprint()
     assert gpu.fingerprint() != cpu.fingerprint()  # what runs differs: another job
     # a value the recipe sets stays, even the CPU default itself
     kept = resolved(model, "scheduler.max_num_seqs=64")
