@@ -9,13 +9,16 @@ by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
 
 On the CPU with float32 or bfloat16 weights the experts run in one C++ call (ops.moe_experts:
 each active expert's packed weights read once per step, its rows through the same packed GEMM
-kernels as a dense layer's); elsewhere (CUDA, fp16, swigluoai) torch runs them, grouped the same way
-with one matmul pair per active expert: the reference path. docs/design/moe.md.
+kernels as a dense layer's); elsewhere (CUDA, fp16, swigluoai) torch runs them, grouped the same way:
+one torch._grouped_mm through w13 and one through w2 for all experts at once, the group ends computed
+on the device (no host sync, no shape that depends on the routing: what a CUDA graph needs); where
+_grouped_mm cannot take the operands, one matmul pair per active expert. docs/design/moe.md.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +78,73 @@ def swigluoai(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -
     gate, up = gate_up.chunk(2, dim=-1)
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@functools.lru_cache(maxsize=None)
+def _native_grouped_mm(device: torch.device) -> bool:
+    """Whether torch runs bf16 _grouped_mm on this CUDA device in one kernel (CUTLASS): compute
+    capability 9.x or 10.x (torch's GroupedBlas.cpp, _scaled_mm_allowed_device(sm90, sm100)). On
+    any other GPU, and for float32 / float16 on any GPU, torch's _grouped_mm_fallback copies the
+    group ends to the host (a sync) and runs one mm per group, idle groups included."""
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether grouped_experts runs on these operands: torch._grouped_mm exists, the weights are
+    plain (not the CPU kernels' packed layout) and contiguous [E, 2I, H] / [E, H, I], every row
+    stride (H and I elements) a multiple of 16 bytes (_grouped_mm checks it: TMA), and the device
+    runs it without a host sync: the CPU (float32, bfloat16, float16: checked with torch 2.13) or
+    a CUDA device with the native bf16 kernel. Elsewhere FusedMoE keeps the per-expert loop,
+    which syncs once as torch's own fallback would, but skips idle experts."""
+    if not hasattr(torch, "_grouped_mm") or w13.dim() != 3 or w2.dim() != 3:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if w13.dtype is not x.dtype or w2.dtype is not x.dtype or not (w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    size = x.element_size()
+    if (w13.shape[2] * size) % 16 or (w2.shape[2] * size) % 16:
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and x.dtype is torch.bfloat16 and _native_grouped_mm(x.device)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    b13: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                    act) -> torch.Tensor:
+    """The experts of x [T, H] in two torch._grouped_mm calls: the T * k (token, slot) pairs sorted
+    by expert (stable), each expert's group end counted on the device, w13 ([E, 2I, H], taken
+    transposed as a view: [E, H, 2I]) over all groups, + each row's expert bias, act, w2 likewise,
+    the rows put back in (token, slot) order and summed as _weighted_sum does. No .item / .tolist
+    and no shape that depends on the routing (grouped_mm_takes says where)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat.index_select(0, order)  # each sorted row's expert, ascending
+    # offs[e] = rows of experts 0..e: the group ends _grouped_mm wants. searchsorted and not
+    # bincount: bincount on CUDA reads the maximum back to size its output (a sync).
+    offs = torch.searchsorted(expert, torch.arange(w13.shape[0], device=x.device, dtype=expert.dtype),
+                              right=True, out_int32=True)
+    xs = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs)
+    if b13 is not None:  # _grouped_mm takes no bias (torch 2.13); added after, as HF's x @ W + b
+        gate_up = gate_up + b13.index_select(0, expert)
+    ys = torch._grouped_mm(act(gate_up), w2.transpose(1, 2), offs)
+    if b2 is not None:
+        ys = ys + b2.index_select(0, expert)
+    return _weighted_sum(torch.empty_like(ys).index_copy_(0, order, ys), weights, x.dtype)
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T * k, H] in (token, slot) order -> sum over slots of weight * y [T, H]: each product
+    rounded to the model's dtype, then added slot by slot in it (HF's index_add_ order)."""
+    t, k = weights.shape
+    y = (y.view(t, k, -1) * weights[:, :, None]).to(dtype)
+    out = y[:, 0]
+    for j in range(1, k):  # k <= 8 or so: a loop over slots, not tokens
+        out = out + y[:, j]
+    return out
 
 
 class FusedMoE(DirectCall, nn.Module):
@@ -198,10 +268,28 @@ class FusedMoE(DirectCall, nn.Module):
                 return out
         return self.torch_experts(x, weights, ids)
 
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cfg.activation == "swigluoai":
+            return swigluoai(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return ops.silu_and_mul(gate_up)
+
     def torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The reference path: the T * k (token, slot) pairs sorted by expert, one matmul pair per
-        active expert over its contiguous rows, the outputs back in (token, slot) order, weighted,
-        and added slot by slot in the model's dtype (HF's op order)."""
+        """The experts in torch: grouped_experts where _grouped_mm takes the operands (CUDA bf16 on
+        sm90 / sm100, the CPU), else loop_experts."""
+        if ids.shape[0] == 0:
+            return torch.zeros_like(x)
+        if not self.packed and grouped_mm_takes(x, self.w13, self.w2):
+            return grouped_experts(x, weights, ids, self.w13, self.w13_bias, self.w2, self.w2_bias, self._act)
+        return self.loop_experts(x, weights, ids)
+
+    def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The fallback and reference: the T * k (token, slot) pairs sorted by expert, one matmul
+        pair per active expert over its contiguous rows (the expert counts read back to the host:
+        a sync on a GPU), the outputs back in (token, slot) order, weighted and added as
+        _weighted_sum does. Runs where grouped_mm_takes is false: packed weights (the CPU kernels'
+        layout, unpacked here expert by expert: ops.torch_only() on a packed model), row strides
+        not 16-byte multiples, CUDA without the native bf16 _grouped_mm (float32 / float16, or
+        compute capability other than 9.x / 10.x)."""
         t, k = ids.shape
         if t == 0:
             return torch.zeros_like(x)
@@ -215,15 +303,12 @@ class FusedMoE(DirectCall, nn.Module):
             if n == 0:
                 continue
             w13, b13, w2, b2 = self.expert_weights(e)
-            gate_up = F.linear(xs[start:start + n], w13, b13)
-            act = (swigluoai(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit) if self.cfg.activation == "swigluoai"
-                   else ops.silu_and_mul(gate_up))
-            ys[start:start + n] = F.linear(act, w2, b2)
+            gate_up = F.linear(xs[start:start + n], w13)
+            if b13 is not None:  # HF's x @ W + b: the bias added after the product is rounded
+                gate_up = gate_up + b13
+            y = F.linear(self._act(gate_up), w2)
+            ys[start:start + n] = y if b2 is None else y + b2
             start += n
         y = torch.empty_like(ys)
         y[order] = ys
-        y = (y.view(t, k, -1) * weights[:, :, None]).to(x.dtype)
-        out = y[:, 0]
-        for j in range(1, k):  # k <= 8 or so: a loop over slots, not tokens
-            out = out + y[:, j]
-        return out
+        return _weighted_sum(y, weights, x.dtype)
