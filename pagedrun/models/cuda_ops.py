@@ -263,7 +263,10 @@ def cupy_ops(index: int) -> FusedOps:
 
     with cupy.cuda.Device(index):
         module = K.cupy_module_factory(source(), kernel_names())
-        module.compile()
+        # Every function loaded now, not at its first launch (which may be inside a graph capture).
+        functions = {name: module.get_function(name) for name in kernel_names()}
+        for fn in functions.values():
+            fn.max_threads_per_block  # noqa: B018  (reading an attribute loads the function on this device)
     streams: dict[int, Any] = {}
     device = torch.device("cuda", index)
 
@@ -276,5 +279,7 @@ def cupy_ops(index: int) -> FusedOps:
 
     # The kernel's address as an 8-byte scalar: a pointer parameter is just its bytes, and this
     # skips building a CuPy array per tensor per call (the host cost issue 36 is about).
-    return FusedOps(module, pointer=lambda t: np.uint64(t.data_ptr()), launch_kwargs=launch_kwargs,
-                    device_scope=lambda: cupy.cuda.Device(index))
+    ops = FusedOps(module, pointer=lambda t: np.uint64(t.data_ptr()), launch_kwargs=launch_kwargs,
+                   device_scope=lambda: cupy.cuda.Device(index))
+    ops._functions.update(functions)
+    return ops

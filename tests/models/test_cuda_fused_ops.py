@@ -393,3 +393,98 @@ def test_kernel_names_cover_every_dtype():
     names = C.kernel_names()
     assert len(names) == 17 and len(set(names)) == 17
     assert np.all([any(t in n for n in names) for t in ("float", "__half", "__nv_bfloat16")])
+
+
+# ---------------------------------------------------------------- launches per decoder layer
+
+# aten ops that launch no kernel on a GPU: views and allocations
+_NO_LAUNCH = {"view", "_unsafe_view", "split", "split_with_sizes", "slice", "select", "t", "transpose", "unsqueeze",
+              "expand", "as_strided", "alias", "detach", "empty", "empty_like", "empty_strided", "lift_fresh"}
+
+
+class _Counter:
+    """The aten ops of a forward that would each be a kernel launch on a GPU."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.ops: list[str] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._overloadpacket.__name__
+                if name not in _NO_LAUNCH:
+                    counter.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+class _StubBackend:
+    """The CuPy backend's launches for a decode step without running attention: reshape_and_cache
+    and paged attention v1 (v2 adds its reduce)."""
+
+    launches = 2
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out  # made before the count: what the kernels would write
+
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, *rest, **kw):
+        assert q.shape == self.out.shape
+        return self.out
+
+
+def _decoder_layer(dtype: torch.dtype):
+    from pagedrun.models.config import ModelConfig
+    from pagedrun.models.llama import LlamaDecoderLayer
+    from pagedrun.models.rope import RotaryEmbedding
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 96, "num_hidden_layers": 1,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 160, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 64, "rope_theta": 10000.0,
+    }, "c")
+    layer = LlamaDecoderLayer(cfg, dtype)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(_randn(*p.shape, dtype=dtype, seed=100 + i, scale=0.1))
+    return layer, RotaryEmbedding(cfg)
+
+
+def _count_layer(layer, rotary, fused: C.FusedOps | None = None) -> tuple[list[str], int, torch.Tensor]:
+    """(the aten ops that launch, the fused launches, the layer's output) of one decode-step forward."""
+    t = 3
+    positions = torch.tensor([4, 9, 17])
+    dtype = layer.input_layernorm.weight.dtype
+    h, residual = _randn(t, 96, dtype=dtype, seed=20), _randn(t, 96, dtype=dtype, seed=21)
+    backend = _StubBackend(_randn(t, 6, 16, dtype=dtype, seed=23))
+    rotary(positions, *_qkv(t, 6, 2, 16, dtype, seed=22)[1:3])  # the step's rows gathered (first layer)
+    counter = _Counter()
+    before = fused.launches if fused else 0
+    with counter.mode, torch.no_grad():
+        out, _ = layer(positions, h, residual, rotary, (None, None), None, backend)
+    return counter.ops, (fused.launches - before if fused else 0), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoder_layer_launches_ten_kernels(fused, monkeypatch, dtype):
+    """Issue 36's count on the CPU: the torch path's aten ops of one Llama decoder layer in a decode
+    step (what a GPU launches today, attention counted as the CuPy backend's 2) against the layer
+    with ops.py's four elementwise ops each one fused launch (what ops.py dispatches CUDA tensors to)."""
+    layer, rotary = _decoder_layer(dtype)
+    with ops.torch_only():
+        torch_ops, _, want = _count_layer(layer, rotary)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "rms_norm", fused.rms_norm)
+        m.setattr(ops, "rope", lambda positions, q, k, cos, sin, memo=None: (
+            fused.rope(positions, q, k, cos, sin) or pytest.fail("fused rope refused")) and (q, k))
+        m.setattr(ops, "silu_and_mul", fused.act_and_mul)
+        fused_ops, launches, got = _count_layer(layer, rotary, fused)
+    torch_total = len(torch_ops) + _StubBackend.launches
+    fused_total = len(fused_ops) + launches + _StubBackend.launches
+    print(f"\n{dtype} launches per layer: torch path {torch_total} ({torch_ops}), fused {fused_total} ({fused_ops})")
+    assert launches == 4  # two norms, rope, silu x up
+    assert sorted(fused_ops) == ["mm"] * 4, fused_ops  # qkv, o_proj, gate_up, down
+    assert fused_total == 10 and torch_total == (30 if dtype is torch.float32 else 34)
+    _close(got, want, 1e-5 if dtype is torch.float32 else 4 * ULP[dtype], "the layer's output, fused vs torch")
