@@ -33,6 +33,7 @@ SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _enabled = True
 _load_error: str | None = None
+_fused_on_cpu: cuda_ops.FusedOps | None = None  # fused_ops_on_cpu()
 
 
 class CpuModelOps:
@@ -123,6 +124,24 @@ def torch_only():
         yield
     finally:
         _enabled = before
+
+
+def _fused_for(t: torch.Tensor) -> cuda_ops.FusedOps | None:
+    """The fused CUDA kernels for a CUDA tensor (None: torch), or for a CPU tensor inside
+    fused_ops_on_cpu()."""
+    return cuda_ops.for_device(t.device) if t.is_cuda else _fused_on_cpu
+
+
+@contextmanager
+def fused_ops_on_cpu(fused: cuda_ops.FusedOps):
+    """CPU tensors through `fused` (cuda_ops.emulated(): the CUDA kernels under the emulator) in the
+    block, by the very dispatch CUDA tensors take: how the tests run a model the GPU's way."""
+    global _fused_on_cpu
+    before, _fused_on_cpu = _fused_on_cpu, fused
+    try:
+        yield
+    finally:
+        _fused_on_cpu = before
 
 
 def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
@@ -234,8 +253,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     A float32 weight on lower-precision rows is Gemma's norm ((1 + w) folded into the weight at
     load time): the product is taken in float32 and rounded once, as transformers computes it,
     where the Llama norm rounds the normed rows to the model's dtype before the product."""
-    if x.is_cuda and _enabled:
-        fused = cuda_ops.for_device(x.device)
+    if _enabled and (x.is_cuda or _fused_on_cpu is not None):
+        fused = _fused_for(x)
         done = None if fused is None else fused.rms_norm(x, weight, eps, residual)
         if done is not None:
             return done
@@ -288,8 +307,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     dims of each head rotate, the rest pass through, as HF's apply_rotary_pos_emb does.
     memo: where the torch path keeps the step's rows of the tables for the next layer (rope_rows)."""
     rotary_dim = 2 * cos.shape[-1]
-    if q.is_cuda and _enabled:
-        fused = cuda_ops.for_device(q.device)
+    if _enabled and (q.is_cuda or _fused_on_cpu is not None):
+        fused = _fused_for(q)
         if fused is not None and fused.rope(positions, q, k, cos, sin):
             return q, k
     kern = _kernels_for(q, k)
@@ -355,7 +374,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[M, 2I] holding gate then up -> silu(gate) * up [M, I]."""
-    if gate_up.is_cuda and _enabled:
+    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None):
         out = _fused_act(gate_up, "silu")
         if out is not None:
             return out
@@ -376,7 +395,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
     GeGLU of Gemma's MLP (transformers' gelu_pytorch_tanh)."""
     i = gate_up.shape[-1] // 2
     block = block or i
-    if gate_up.is_cuda and _enabled and block == i:
+    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None) and block == i:
         out = _fused_act(gate_up, "gelu_tanh")
         if out is not None:
             return out
@@ -394,7 +413,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
 
 
 def _fused_act(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-    fused = cuda_ops.for_device(gate_up.device)
+    fused = _fused_for(gate_up)
     return None if fused is None else fused.act_and_mul(gate_up, act)
 
 

@@ -468,18 +468,14 @@ def _count_layer(layer, rotary, fused: C.FusedOps | None = None) -> tuple[list[s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decoder_layer_launches_ten_kernels(fused, monkeypatch, dtype):
+def test_a_decoder_layer_launches_ten_kernels(fused, dtype):
     """Issue 36's count on the CPU: the torch path's aten ops of one Llama decoder layer in a decode
     step (what a GPU launches today, attention counted as the CuPy backend's 2) against the layer
     with ops.py's four elementwise ops each one fused launch (what ops.py dispatches CUDA tensors to)."""
     layer, rotary = _decoder_layer(dtype)
-    with ops.torch_only():
+    with ops.torch_only():  # the torch path: what ops.py runs on a GPU without the fused kernels
         torch_ops, _, want = _count_layer(layer, rotary)
-    with monkeypatch.context() as m:
-        m.setattr(ops, "rms_norm", fused.rms_norm)
-        m.setattr(ops, "rope", lambda positions, q, k, cos, sin, memo=None: (
-            fused.rope(positions, q, k, cos, sin) or pytest.fail("fused rope refused")) and (q, k))
-        m.setattr(ops, "silu_and_mul", fused.act_and_mul)
+    with ops.fused_ops_on_cpu(fused):
         fused_ops, launches, got = _count_layer(layer, rotary, fused)
     torch_total = len(torch_ops) + _StubBackend.launches
     fused_total = len(fused_ops) + launches + _StubBackend.launches
@@ -488,3 +484,39 @@ def test_a_decoder_layer_launches_ten_kernels(fused, monkeypatch, dtype):
     assert sorted(fused_ops) == ["mm"] * 4, fused_ops  # qkv, o_proj, gate_up, down
     assert fused_total == 10 and torch_total == (30 if dtype is torch.float32 else 34)
     _close(got, want, 1e-5 if dtype is torch.float32 else 4 * ULP[dtype], "the layer's output, fused vs torch")
+
+
+# ---------------------------------------------------------------- whole models, the GPU's dispatch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
+def test_greedy_tokens_equal_the_torch_path(fused, tiny_model, family, dtype, monkeypatch):
+    """A tiny model's greedy tokens over mixed prefill / chunked prefill / decode steps with ops.py
+    dispatching to the fused kernels (emulated) as it does CUDA tensors, against the torch path:
+    Llama; Qwen3's per-head q / k norms; Gemma 2's float32-weight norms, sandwich norms and GeGLU;
+    Phi-3's partial rotary (0.75)."""
+    from test_models import paged_greedy
+
+    from pagedrun.models.loader import load_model
+
+    with ops.torch_only():  # loaded without the CPU kernels: plain weights, no C layer runner
+        model, config = load_model(tiny_model(family, seed=3), dtype, "cpu")
+    assert all(getattr(m, "layer_runner", None) is None for m in model.modules())
+    prompts = [[(7 * i + 3 * j) % (config.vocab_size - 2) + 2 for j in range(n)] for i, n in enumerate((9, 4, 1))]
+    with ops.torch_only():
+        want, want_logits = paged_greedy(model, config, prompts, 6, 8, False)
+    launched: set[str] = set()
+    launch = fused._launch
+    monkeypatch.setattr(fused, "_launch", lambda name, *a: launched.add(name) or launch(name, *a))
+    with ops.fused_ops_on_cpu(fused):
+        got, got_logits = paged_greedy(model, config, prompts, 6, 8, False)
+    t = C.CUDA_TYPES[dtype]
+    expect = {C.rope_name(dtype, False), C.act_name(dtype, "gelu_tanh" if family == "gemma2" else "silu"),
+              C.rms_norm_name(dtype, torch.float32 if family == "gemma2" else dtype)}
+    assert expect <= launched, f"{t}: launched {sorted(launched)}"
+    assert got == want
+    for g_seq, w_seq in zip(got_logits, want_logits):
+        for g, w in zip(g_seq, w_seq):
+            _close(g, w, 1e-4 if dtype is torch.float32 else 8 * ULP[dtype], "logits")
