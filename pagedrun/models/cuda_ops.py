@@ -274,7 +274,7 @@ def cupy_ops(index: int) -> FusedOps:
         handle = torch.cuda.current_stream(device).cuda_stream
         stream = streams.get(handle)
         if stream is None:
-            stream = streams[handle] = cupy.cuda.ExternalStream(handle, index)
+            stream = streams[handle] = cupy.cuda.ExternalStream(handle)  # as cupy_backend: older CuPys take no device
         return {"stream": stream}
 
     # The kernel's address as an 8-byte scalar: a pointer parameter is just its bytes, and this

@@ -215,3 +215,30 @@ def test_host_time_per_call(fused, capsys):
         rows.append(f"{name:18} fused {timings[0]:6.1f} us  torch {timings[1]:6.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
+
+
+def test_decoder_layer_kernels_on_the_gpu(fused, capsys):
+    """The CUDA kernels one bf16 Llama decoder layer launches (attention stubbed out, as in the
+    emulator count): the 4 fused ops and the GEMMs, no torch elementwise or reduction kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer, rotary = T._decoder_layer(torch.bfloat16)
+    layer, rotary = layer.to(DEV), rotary.to(DEV)
+    t = 3
+    positions = _cuda(torch.tensor([4, 9, 17]))
+    h = _cuda(T._randn(t, 96, dtype=torch.bfloat16, seed=20))
+    residual = _cuda(T._randn(t, 96, dtype=torch.bfloat16, seed=21))
+    backend = T._StubBackend(_cuda(T._randn(t, 6, 16, dtype=torch.bfloat16, seed=23)))
+    with torch.no_grad():
+        layer(positions, h.clone(), residual.clone(), rotary, (None, None), None, backend)  # warm-up
+        torch.cuda.synchronize(DEV)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            layer(positions, h, residual, rotary, (None, None), None, backend)
+            torch.cuda.synchronize(DEV)
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    with capsys.disabled():
+        print(f"\n{len(kernels)} kernels (+2 attention): " + ", ".join(k[:60] for k in kernels))
+    ours = [k for k in kernels if any(n in k for n in ("rms_norm_kernel", "rope_kernel", "act_and_mul_kernel"))]
+    assert len(ours) == 4, kernels
+    torch_elementwise = [k for k in kernels if "elementwise" in k or "reduce_kernel" in k or "CatArray" in k]
+    assert not torch_elementwise, kernels
