@@ -389,6 +389,37 @@ def test_nvrtc_compiles_every_variant(arch):
     assert "warning" not in out.log.lower(), out.log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_gate(arch, tmp_path, capsys):
+    """nvcc -Werror all-warnings with ptxas' resource report: every variant compiles, none spills,
+    the shared memory is the norm's 33 partials."""
+    import shutil
+    import subprocess
+
+    from pagedrun.attention.cuda import kernels as K
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    src = tmp_path / "fused_instances.cu"
+    src.write_text(f'#include "{K.KERNEL_DIR / C.SOURCE}"\nvoid* pagedrun_instances[] = {{\n'
+                   + "".join(f"    (void*)&{n},\n" for n in C.kernel_names()) + "};\n")
+    cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v",
+           "-o", str(tmp_path / "fused.cubin"), str(src)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = run.stdout + run.stderr
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    smem = [int(n) for n in re.findall(r"Used \d+ registers.*?(\d+) bytes smem", log)]
+    with capsys.disabled():
+        print(f"\nnvcc {arch}: {len(regs)} kernels, registers {min(regs)}-{max(regs)}, smem {sorted(set(smem))}")
+    assert len(regs) == len(C.kernel_names()) and len(spills) == len(regs)
+    assert not any(spills) and max(regs) <= 64
+    assert set(smem) <= {0, 4 * 33}
+
+
 def test_kernel_names_cover_every_dtype():
     names = C.kernel_names()
     assert len(names) == 17 and len(set(names)) == 17
