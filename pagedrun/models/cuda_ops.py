@@ -34,14 +34,17 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 MAX_GRID_X = 2**31 - 1  # rows (tokens) sit on gridDim.x
 
 
+@functools.cache  # called per launch: the string built once
 def rms_norm_name(dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
     return f"rms_norm_kernel<{CUDA_TYPES[dtype]}, {CUDA_TYPES[weight_dtype]}>"
 
 
+@functools.cache  # called per launch: the string built once
 def rope_name(dtype: torch.dtype, write_cache: bool) -> str:
     return f"rope_kernel<{CUDA_TYPES[dtype]}, {'true' if write_cache else 'false'}>"
 
 
+@functools.cache  # called per launch: the string built once
 def act_name(dtype: torch.dtype, act: str) -> str:
     return f"act_and_mul_kernel<{CUDA_TYPES[dtype]}, {ACTIVATIONS[act]}>"
 
@@ -130,10 +133,11 @@ class FusedOps:
             return None
         if weight.shape[0] != hidden or tokens * heads >= MAX_GRID_X:
             return None
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if tokens:
+            ptr = self._pointer
             self._launch(rms_norm_name(dtype, weight.dtype), tokens * heads, _threads(hidden, 1024), (
-                self._ptr(out), self._ptr(x), self._ptr(residual), self._ptr(weight), np.int32(hidden),
+                ptr(out), ptr(x), None if residual is None else ptr(residual), ptr(weight), np.int32(hidden),
                 np.int32(heads), np.int64(x.stride(0)), np.int64(0 if residual is None else residual.stride(0)),
                 np.float32(eps),
             ))
@@ -203,10 +207,11 @@ class FusedOps:
         if dtype not in CUDA_TYPES or not _rows_ok(gate_up) or gate_up.shape[1] % 2:
             return None
         m, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(m, inter, dtype=dtype, device=gate_up.device)
+        out = torch.empty((m, inter), dtype=dtype, device=gate_up.device)
         if m:
+            ptr = self._pointer
             self._launch(act_name(dtype, act), m, _threads(inter, 1024), (
-                self._ptr(out), self._ptr(gate_up), np.int32(inter), np.int64(gate_up.stride(0)), np.int64(inter),
+                ptr(out), ptr(gate_up), np.int32(inter), np.int64(gate_up.stride(0)), np.int64(inter),
             ))
         return out
 
