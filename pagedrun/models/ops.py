@@ -5,7 +5,8 @@ through ctypes) when its inputs are float32 or bfloat16 CPU tensors it supports,
 otherwise (GPU tensors, fp16, odd strides, no compiler). bf16 ops compute in fp32 and round to bf16
 where the torch op they replace would. Both paths follow transformers' op order; they differ
 only in reduction order, so greedy outputs match HF either way (tests/models/test_model_ops.py,
-tests/engine/test_engine.py).
+tests/engine/test_engine.py). CUDA tensors take the fused kernels of pagedrun.models.cuda_ops
+(rms_norm, rope, silu_and_mul, gelu_tanh_and_mul: one launch each) where CuPy is importable.
 
 Why the linear op has a kernel: torch's CPU matmul is fast for the thousands of rows of a prefill
 step but slow for the 1-128 rows of a decode step, where it reached a fraction of its prefill rate
@@ -26,11 +27,13 @@ import torch.nn.functional as F
 
 from pagedrun.build import cpu as cpu_build
 from pagedrun.build.cache import load_library
+from pagedrun.models import cuda_ops
 
 SOURCE = cpu_build.KERNEL_DIR / "model_ops_cpu.cpp"
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _enabled = True
 _load_error: str | None = None
+_fused_on_cpu: cuda_ops.FusedOps | None = None  # fused_ops_on_cpu()
 
 
 class CpuModelOps:
@@ -121,6 +124,24 @@ def torch_only():
         yield
     finally:
         _enabled = before
+
+
+def _fused_for(t: torch.Tensor) -> cuda_ops.FusedOps | None:
+    """The fused CUDA kernels for a CUDA tensor (None: torch), or for a CPU tensor inside
+    fused_ops_on_cpu()."""
+    return cuda_ops.for_device(t.device) if t.is_cuda else _fused_on_cpu
+
+
+@contextmanager
+def fused_ops_on_cpu(fused: cuda_ops.FusedOps):
+    """CPU tensors through `fused` (cuda_ops.emulated(): the CUDA kernels under the emulator) in the
+    block, by the very dispatch CUDA tensors take: how the tests run a model the GPU's way."""
+    global _fused_on_cpu
+    before, _fused_on_cpu = _fused_on_cpu, fused
+    try:
+        yield
+    finally:
+        _fused_on_cpu = before
 
 
 def _kernels_for(*tensors: torch.Tensor) -> CpuModelOps | None:
@@ -232,6 +253,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     A float32 weight on lower-precision rows is Gemma's norm ((1 + w) folded into the weight at
     load time): the product is taken in float32 and rounded once, as transformers computes it,
     where the Llama norm rounds the normed rows to the model's dtype before the product."""
+    if _enabled and (x.is_cuda or _fused_on_cpu is not None):
+        fused = _fused_for(x)
+        done = None if fused is None else fused.rms_norm(x, weight, eps, residual)
+        if done is not None:
+            return done
     name = "rms_norm"
     if weight.dtype is torch.float32 and x.dtype is not torch.float32:
         kern = _kernels_for(x) if x.dtype is torch.bfloat16 and weight.is_cpu else None
@@ -281,6 +307,10 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     dims of each head rotate, the rest pass through, as HF's apply_rotary_pos_emb does.
     memo: where the torch path keeps the step's rows of the tables for the next layer (rope_rows)."""
     rotary_dim = 2 * cos.shape[-1]
+    if _enabled and (q.is_cuda or _fused_on_cpu is not None):
+        fused = _fused_for(q)
+        if fused is not None and fused.rope(positions, q, k, cos, sin):
+            return q, k
     kern = _kernels_for(q, k)
     if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
             and cos.dtype == torch.float32 and sin.dtype == torch.float32
@@ -344,6 +374,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[M, 2I] holding gate then up -> silu(gate) * up [M, I]."""
+    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None):
+        out = _fused_act(gate_up, "silu")
+        if out is not None:
+            return out
     kern = _kernels_for(gate_up)
     if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0:
         m, i = gate_up.shape[0], gate_up.shape[1] // 2
@@ -361,6 +395,10 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
     GeGLU of Gemma's MLP (transformers' gelu_pytorch_tanh)."""
     i = gate_up.shape[-1] // 2
     block = block or i
+    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None) and block == i:
+        out = _fused_act(gate_up, "gelu_tanh")
+        if out is not None:
+            return out
     kern = _kernels_for(gate_up)
     if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0 and i % block == 0:
         m = gate_up.shape[0]
@@ -372,6 +410,11 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
         gate_up = _deinterleave(gate_up.transpose(0, -1), block).transpose(0, -1)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def _fused_act(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+    fused = _fused_for(gate_up)
+    return None if fused is None else fused.act_and_mul(gate_up, act)
 
 
 def _interleave(t: torch.Tensor, block: int) -> torch.Tensor:
