@@ -14,12 +14,13 @@ blocking copy; here they live in buffers that never move, so that
 
 A batch of n rows runs as the smallest bucket >= n; rows n..bucket-1 are padding that writes and
 reads nothing: slot -1 (kernels/cuda/cache_ops.cu skips it), seq_len 0 (kernels/cuda/paged_attention.cu
-writes a defined zero), token 0, position 0. Block tables are re-packed each step for the step's rows
-(one vectorised numpy write per group; the row order is the scheduler's, so logits come out in
-input order with no gather): a stable row per sequence would need the sequences' ids, which the
-worker does not see, and a permutation of the logits (docs/log/2026-11-28-decode-graphs.md measured
-the re-pack). Columns past a table's end keep what an earlier step left: the kernels read no block
-at or past ceil(seq_len / block_size).
+writes a defined zero), token 0, position 0. Row i is the step's i-th input (the scheduler's order,
+so logits come out in input order with no gather); a block-table row is rewritten only when its
+table differs from the one the row held last step (a sequence gained a block, joined, left, or the
+rows shifted), found by comparing the engine's lists. A stable row per sequence would need the
+sequences' ids, which the worker does not see, and a permutation of the logits;
+docs/log/2026-11-28-decode-graphs.md measured both ways of re-packing. Columns past a table's end
+keep what an earlier step left: the kernels read no block at or past ceil(seq_len / block_size).
 
 The pinned mirrors are written while no copy from them is in flight: every step ends with the
 sampler reading its token ids back (a synchronisation after this step's copies), before the next
@@ -94,6 +95,7 @@ class DecodeBuffers:
         self.input_ids, self.positions, self.slot_mapping = self.d64[0], self.d64[1], self.d64[2:]
         self.seq_lens, self.context_lens, self.block_tables = self.d32[0], self.d32[1], self.dtab
         self._rows = np.arange(b, dtype=np.int64)
+        self._prev: list[list[list[int]]] = [[] for _ in range(g)]  # each group's tables of the last fill
         self._cols = np.arange(w, dtype=np.int64)
         self._copy()
 
@@ -115,15 +117,32 @@ class DecodeBuffers:
         blk, off = pos[:n] // bs, pos[:n] % bs
         for g, group in enumerate(tables):
             counts = np.fromiter(map(len, group), dtype=np.int64, count=n)
-            width = int(counts.max()) if n else 0
-            if n and (bool((counts <= blk).any()) or width > self.shape.width):
+            if n and (bool((counts <= blk).any()) or int(counts.max()) > self.shape.width):
                 raise ValueError(f"decode buffers: a block table of group {g} is shorter than its position or "
                                  f"longer than max_model_len allows ({self.shape.width} blocks)")
+            self._write_tables(g, group, counts)
+            slots[g, :n] = self.htab[g, self._rows[:n], blk].astype(np.int64) * bs + off
+        self._copy(n)
+
+    def _write_tables(self, g: int, group: list[list[int]], counts: np.ndarray) -> None:
+        """Rewrite the rows of group g whose table differs from what the row held last step (a
+        sequence gained a block, or another sequence now sits in the row): list comparisons in C,
+        then one numpy write per changed row, or one vectorised write when many rows moved (a
+        sequence left the batch and the rows after it shifted). A table passed again as the same
+        list object counts as changed: it may have been modified in place since."""
+        prev, n = self._prev[g], len(group)
+        changed = [i for i, (a, b) in enumerate(zip(group, prev)) if a is b or a != b]
+        changed += range(len(prev), n)
+        if 4 * len(changed) > n:
+            width = int(counts.max()) if n else 0
             flat = np.fromiter(itertools.chain.from_iterable(group), dtype=np.int32, count=int(counts.sum()))
             rows = self.htab[g, :n, :width]
             rows[self._cols[:width] < counts[:, None]] = flat  # row-major: each row's blocks in order
-            slots[g, :n] = rows[self._rows[:n], blk].astype(np.int64) * bs + off
-        self._copy(n)
+        else:
+            for i in changed:
+                t = group[i]
+                self.htab[g, i, : len(t)] = t
+        self._prev[g] = group
 
     def _copy(self, n: int | None = None) -> None:
         """Host mirrors -> device: the two vectors buffers whole, the tables' first n rows."""

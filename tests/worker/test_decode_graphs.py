@@ -77,6 +77,31 @@ def test_fill_matches_attention_metadata_and_pads(groups):
                 assert buf.block_tables[g, i, : len(t)].tolist() == t
 
 
+def test_only_changed_rows_are_rewritten_and_in_place_edits_are_seen(monkeypatch):
+    buf = DecodeBuffers(DecodeShape(8, 64, 8), torch.device("cpu"))
+    tables = [[10 * i + 1, 10 * i + 2] for i in range(8)]
+    buf.fill(list(range(8)), [9] * 8, [[list(t) for t in tables]])
+    writes: list[int] = []
+    real = buf._write_tables
+
+    def spy(g, group, counts):
+        before = buf.htab.copy()
+        real(g, group, counts)
+        writes.append(int((buf.htab != before).any(axis=2).sum()))
+
+    monkeypatch.setattr(buf, "_write_tables", spy)
+    grown = [list(t) for t in tables]
+    grown[3].append(99)  # row 3 gained a block: the only row written
+    buf.fill(list(range(8)), [9] * 7 + [16], [grown[:7] + [grown[7] + [77]]])  # and row 7, at its 3rd block
+    assert writes == [2]
+    assert buf.block_tables[0, 3, :3].tolist() == [31, 32, 99] and buf.block_tables[0, 7, 2] == 77
+    assert buf.slot_mapping[0, 7] == 77 * 8 + 0
+    same = buf._prev[0]
+    same[0][1] = 55  # the same list object, edited in place: rewritten, never trusted
+    buf.fill(list(range(8)), [9] * 8, [same])
+    assert buf.block_tables[0, 0, 1] == 55 and buf.slot_mapping[0, 0] == 55 * 8 + 1
+
+
 def test_fill_refuses_a_table_shorter_than_its_position():
     buf = DecodeBuffers(DecodeShape(4, 64, 8), torch.device("cpu"))
     with pytest.raises(ValueError, match="shorter than its position"):
@@ -146,6 +171,21 @@ def test_static_decode_takes_v2_at_a_long_max_model_len(emu_model, tmp_path):
     got, used, llm = _run(d, "float32", True, prompts, 4, 24, 6)
     assert got == want and used == [(2, 2)] * len(used)
     assert llm.engine.worker.backend.last_version == "v2"
+
+
+@needs_gxx
+@pytest.mark.slow
+def test_static_decode_with_kv_cache_groups_equals_todays_path(tmp_path):
+    """Gemma 2 (sliding and full layers: three KV cache groups, each with its own tables and slots;
+    prompts several windows long, so sliding tables hold placeholders)."""
+    d = make_tiny_model("gemma2", tmp_path / "m", seed=4, hidden_size=128, num_attention_heads=4,
+                        num_key_value_heads=2)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 640) for _ in range(n)] for n in (3, 19, 30)]
+    want, _, _ = _run(d, "float32", False, prompts, 4, 40, 12)
+    got, used, llm = _run(d, "float32", True, prompts, 4, 40, 12)
+    assert llm.engine.worker.runner.num_groups == 3 and used
+    assert got == want
 
 
 # ---------------------------------------------------------------- no host sync inside a step
