@@ -30,6 +30,9 @@ from pagedrun.errors import PagedrunError
 from pagedrun.worker.decode_buffers import DecodeShape
 
 WARMUP_FORWARDS = 2  # per bucket before its capture (vLLM V0's _NUM_WARMUP_ITERS)
+# The estimate's fixed part: the allocator's segments (2 MiB for small blocks, 20 MiB for large
+# ones) that a pool holds whole, and the graph objects. Derived, not measured.
+POOL_FLOOR = 32 << 20
 SETTINGS = ("auto", "true", "false")
 
 
@@ -62,7 +65,8 @@ def estimate_pool_bytes(shape: DecodeShape, model_cfg, elem_bytes: int) -> int:
     measured): the static logits [Bmax, vocab] and the pool, which holds one forward's live
     tensors at the largest bucket: the LM head's output, a layer's activations (qkv, attention,
     residual, MLP at twice the intermediate size) and v2's fp32 partials at max_model_len.
-    Counted twice over for the allocator's rounding and the blocks a graph keeps per layer."""
+    Counted twice over for the allocator's rounding and the blocks a graph keeps per layer, plus
+    POOL_FLOOR."""
     from pagedrun.attention.cuda.kernels import num_partitions
 
     b = shape.max_rows
@@ -72,7 +76,7 @@ def estimate_pool_bytes(shape: DecodeShape, model_cfg, elem_bytes: int) -> int:
     layer = b * elem_bytes * (4 * h + (heads + 2 * kv_heads) * hd + heads * hd + 3 * inter)
     v2 = b * heads * parts * (hd + 2) * 4 if parts > 1 else 0
     logits = b * vocab * elem_bytes
-    return 2 * logits + 2 * (layer + v2)
+    return 2 * logits + 2 * (layer + v2) + POOL_FLOOR
 
 
 @contextlib.contextmanager
