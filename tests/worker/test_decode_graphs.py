@@ -228,8 +228,18 @@ def test_static_decode_step_has_no_host_sync(emu_model):
     runner = llm.engine.worker.runner
     inputs = [ModelInput([5 + i], 9 + i, [[1 + 2 * i, 2 + 2 * i]], True) for i in range(3)]
     runner.execute(inputs)  # first call: the bucket's metadata and PagedStep are built (once, host data)
-    with no_sync():
-        logits = runner.execute(inputs)
+    from pagedrun.attention.cuda import paged_step
+
+    def never(*a, **k):
+        raise AssertionError("paged_step.build called on a static step: its PagedStep is prebuilt")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(paged_step, "build", never)
+    try:
+        with no_sync():
+            logits = runner.execute(inputs)
+    finally:
+        mp.undo()
     assert logits.shape[0] == 3
     # the audit catches what it is for: a planted .item() in the region
     real = runner.model.compute_logits
