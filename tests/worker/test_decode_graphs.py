@@ -8,7 +8,7 @@
   .item() is caught);
 - model.cuda_graphs: the recipe check, why graphs are off, the memory plan's reservation, and the
   capture / replay / fallback control flow with torch.cuda's graph API faked (the real capture is
-  tests/gpu/test_decode_graphs.py).
+  tests/gpu/test_cuda_graphs.py).
 """
 from __future__ import annotations
 
