@@ -17,6 +17,9 @@
 #              v1 at 48 KiB dynamic + static shared memory, fp8 / int8 KV-cache kernels (issue 18)
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
 #              in use <= gpu_memory_utilization x total
+#   throughput decode with and without CUDA graphs (issue 36): SmolLM2 and 1B shapes (random weights),
+#              64 and 256 requests; out tok/s, step / host / GPU ms, share of the bandwidth bound, and
+#              graph tokens == eager tokens (benchmarks/gpu_throughput.py)
 #   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
 #              GQA-grouped blocks (4 query heads each) against one block per query head
 #   bandwidth-kv  the same decode with an fp8 (e4m3) and an int8 KV cache, grouped (4 query heads a
@@ -33,7 +36,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
-ONLY="env,tests,kernels,engine,bandwidth,bandwidth-kv,sanitizer,bench-default,host-profile,bench-1b"
+ONLY="env,tests,kernels,engine,throughput,bandwidth,bandwidth-kv,sanitizer,bench-default,host-profile,bench-1b"
 BUDGET=900
 ARCHIVE=""
 while [ $# -gt 0 ]; do
@@ -137,6 +140,10 @@ wait
 # One at a time from here: engine reads the whole device's memory in use, the rest are timings.
 if wanted engine; then
   run engine 240 "greedy tokens|engine: " python3 benchmarks/gpu_engine_check.py --utilization 0.5
+fi
+if wanted throughput; then
+  run throughput 240 "tok/s|today|eager|graphs|tokens|differ" python3 benchmarks/gpu_throughput.py \
+    --shapes smollm2,1b --requests 64,256 --json "$OUT_DIR/throughput.json"
 fi
 if wanted bandwidth; then
   run bandwidth 180 "device:|^ +(64|8|4) +(4096|16384|32768) " python3 benchmarks/kernel_bandwidth.py \

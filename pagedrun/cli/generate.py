@@ -137,3 +137,5 @@ def print_startup(console: Console, llm, load_s: float) -> None:
     # The short form of `pagedrun profile-memory`: what the profile measured, what the budget became.
     for line in m.summary():
         console.print(f"[bold]memory[/] {line}", highlight=False)
+    if e.worker.device.type == "cuda":  # whether decode steps replay CUDA graphs, and if not why
+        console.print(e.worker.cuda_graphs_line, highlight=False, markup=False, soft_wrap=True)

@@ -127,6 +127,15 @@ _kv_scale = float_check(f"a number in [{MIN_KV_SCALE:g}, {MAX_KV_SCALE:g}] (null
                         lambda x: MIN_KV_SCALE <= x <= MAX_KV_SCALE)
 
 
+def _auto_or_bool(v: Any) -> str:
+    """auto | true | false, stored as one of those words (YAML reads true / false as booleans)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str) and v.lower() in ("auto", "true", "false"):
+        return v.lower()
+    raise InvalidValue("must be auto, true or false")
+
+
 CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "model": {
         "path": _non_empty_str,  # resolved in model_path
@@ -134,6 +143,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "max_model_len": optional(int_check(lo=16, cap=MAX_MODEL_LEN)),
         "device": _choice(("auto", "cpu", "cuda")),
         "attention_backend": _choice(("auto", "torch", "cupy", "emulated")),
+        "cuda_graphs": _auto_or_bool,
         "threads": optional(int_check(lo=1, cap=MAX_THREADS)),
         "generation_config": _non_empty_str,  # resolved in generation_config_path
         "chat_template": optional(_non_empty_str),  # a Jinja file; resolved in chat_template_path

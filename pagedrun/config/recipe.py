@@ -81,6 +81,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(max_position_embeddings, 8192), decided at load
     device: str = "auto"
     attention_backend: str = "auto"
+    # Decode steps replayed from CUDA graphs (worker/cuda_graphs.py): auto = where they apply (CUDA,
+    # the cupy backend, no MoE, no fp8 cache), true = required (an error where they cannot), false = eager.
+    cuda_graphs: str = "auto"
     threads: int | None = None  # None: torch's default
     # auto: generation_config.json's sampling fields are the defaults of requests and of the recipe's
     # sampling fields it leaves unset (vLLM's --generation-config auto); vllm: ignored; or a folder.
@@ -193,11 +196,13 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
-        `output`, `distributed`, cache.hybrid_kv and scheduler.admission_burst are left out: how often
-        we fsync, whether a report is written, how many replicas share the work, whether sliding
-        layers free their blocks or when waiting requests are admitted changes no token. model.generation_config is left out too: what it applied is in
-        `sampling` (once models/model_defaults.py resolved it), so a job is another job exactly when
-        a default it ran with changed, and a job started before the key existed still resumes.
+        `output`, `distributed`, cache.hybrid_kv, scheduler.admission_burst and model.cuda_graphs are
+        left out: how often we fsync, whether a report is written, how many replicas share the work,
+        whether sliding layers free their blocks, when waiting requests are admitted or whether
+        decode steps replay CUDA graphs changes no token. model.generation_config is left out too:
+        what it applied is in `sampling` (once models/model_defaults.py resolved it), so a job is
+        another job exactly when a default it ran with changed, and a job started before the key
+        existed still resumes.
         """
         d = self.to_dict()
         del d["output"]
@@ -205,6 +210,7 @@ class Recipe:
         del d["cache"]["hybrid_kv"]
         del d["scheduler"]["admission_burst"]
         del d["model"]["generation_config"]
+        del d["model"]["cuda_graphs"]  # how steps are launched; a job started before the key resumes
         if d["structured_outputs"] == asdict(StructuredOutputsConfig()):
             # The default, strict, is left out: a job started before the section existed resumes
             # (its constrained requests, if any, run strict from then on: docs/guide/structured-outputs.md).

@@ -74,6 +74,11 @@ class MemoryPlan:
     # (docs/log/2026-11-26-h200-second-session-grouped-decode.md,
     # docs/log/2026-11-27-figures-from-code-comments.md).
     torch_headroom_bytes: int = 0
+    # CUDA graphs of decode steps (worker/cuda_graphs.py): an estimate kept out of the KV budget
+    # before the cache is sized (derived), then what capture took once the cache exists (measured:
+    # the device's free memory before and after, as vLLM measures its graphs); 0: no graphs.
+    cuda_graph_bytes: int = 0
+    cuda_graph_measured_bytes: int = 0
     swap_used: bool = False  # scheduler.preemption_mode is swap: the swap blocks are allocated
     # Derived: blocks one sequence of max_model_len holds at most, over the KV cache groups (a
     # sliding group holds its window); 0 = ceil(max_model_len / block_size), one full group. Alone
@@ -153,6 +158,7 @@ class MemoryPlan:
             + (f"; decode gather est. {fmt_bytes(self.decode_gather_bytes)}" if self.decode_gather_bytes else "")
             + (f"; attention scratch at max_model_len est. {fmt_bytes(self.attention_scratch_bytes)}"
                if self.attention_scratch_bytes else "")
+            + (f"; cuda graphs est. {fmt_bytes(self.cuda_graph_bytes)}" if self.cuda_graph_bytes else "")
             + (f"; torch held to {fmt_bytes(self.torch_cap_bytes)} (derived: the limit - outside torch)"
                if self.torch_cap_bytes else ""))
         if self.kv_groups:
@@ -200,17 +206,19 @@ def model_block_bytes(model_cfg, block_size: int, dtype: torch.dtype, kv_spec: K
 
 def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_model_len: int, max_num_seqs: int,
                 uses_swap: bool, host_available_bytes: int, decode_gather: int = 0,
-                attention_scratch: int = 0, seq_blocks: int = 0) -> MemoryPlan:
+                attention_scratch: int = 0, seq_blocks: int = 0, cuda_graphs: int = 0) -> MemoryPlan:
     """Pure arithmetic: a measured profile + the recipe -> the plan. Raises KVBudgetError.
     attention_scratch (CUDA) and decode_gather (where decode gathers K/V, else 0): attention/scratch.py.
-    seq_blocks: blocks a max_model_len sequence holds (KV cache groups), 0 = ceil(len / block_size)."""
+    seq_blocks: blocks a max_model_len sequence holds (KV cache groups), 0 = ceil(len / block_size).
+    cuda_graphs: bytes to keep for the decode graphs' capture (CUDA; worker/cuda_graphs.py)."""
     bb, bs = block_bytes, cache_cfg.block_size
     cuda = profile.device.startswith("cuda")
     blocks_per_seq = seq_blocks or -(-max_model_len // bs)
     seq_bytes = blocks_per_seq * bb
     # A layer's decode gather ends before its prefills' scratch is allocated: never live at once.
     scratch = max(attention_scratch, decode_gather) if cuda else 0
-    peak = profile.peak_in_use_bytes + scratch
+    graphs = cuda_graphs if cuda else 0
+    peak = profile.peak_in_use_bytes + scratch + graphs
     capped = cuda and cache_cfg.num_blocks is None  # worker/torch_cap.py holds torch
     headroom = 0
     if cuda:
@@ -221,6 +229,8 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         source = f"{u:g} x {fmt_bytes(profile.total_bytes)} total - {fmt_bytes(peak)} peak in use"
         if scratch:
             source += f" (incl. {fmt_bytes(scratch)} attention scratch at max_model_len)"
+        if graphs:
+            source += f" (incl. {fmt_bytes(graphs)} for cuda graphs, est.)"
         if headroom:
             source += f" - {fmt_bytes(headroom)} headroom for torch's cache (derived)"
     else:
@@ -237,7 +247,7 @@ def plan_memory(*, profile: MemoryProfile, block_bytes: int, cache_cfg, max_mode
         blocks_from_budget=from_budget, gpu_memory_utilization=cache_cfg.gpu_memory_utilization if cuda else None,
         host_available_bytes=host_available_bytes, profile=profile,
         attention_scratch_bytes=scratch, torch_headroom_bytes=headroom, decode_gather_bytes=decode_gather,
-        seq_blocks=seq_blocks,
+        seq_blocks=seq_blocks, cuda_graph_bytes=graphs,
     )
     if cuda and cache_cfg.gpu_memory_utilization > HIGH_UTILIZATION:
         plan.warnings.append(
@@ -283,6 +293,7 @@ def _check_budget(plan: MemoryPlan, budget: int, seq_bytes: int, peak: int, cuda
                 f"already in use at the profile's peak (weights {fmt_bytes(p.weights_bytes)}, activations "
                 f"{fmt_bytes(p.activation_peak_bytes)}, outside torch {fmt_bytes(p.non_torch_bytes)}"
                 + (f", attention scratch {fmt_bytes(plan.attention_scratch_bytes)}" if plan.attention_scratch_bytes else "")
+                + (f", cuda graphs {fmt_bytes(plan.cuda_graph_bytes)}" if plan.cuda_graph_bytes else "")
                 + (f", headroom for torch's cache {fmt_bytes(plan.torch_headroom_bytes)}" if plan.torch_headroom_bytes else "")
                 + "); "
                 f"{fmt_bytes(peak - total * u)} missing: {fix}", plan)
@@ -369,10 +380,11 @@ def requests_fit(blocks: list[int], num_blocks: int) -> RequestsFit:
 # ---------------------------------------------------------------- the engine's entry point
 
 def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, kv_spec: KVCacheSpec, groups: KVCacheGroups | None = None) -> MemoryPlan:
+                  max_model_len: int, kv_spec: KVCacheSpec, groups: KVCacheGroups | None = None,
+                  cuda_graphs: int = 0) -> MemoryPlan:
     """Profile the loaded model and turn the recipe's budget into blocks (Worker.__init__); kv_spec:
     the cache's storage, resolved once from the recipe by the worker; groups: the KV cache groups
-    (kv/groups.py; None: one full group)."""
+    (kv/groups.py; None: one full group); cuda_graphs: the decode graphs' estimated bytes (0: none)."""
     from pagedrun.attention.registry import make_backend
     from pagedrun.attention.scratch import plan_scratch
 
@@ -396,7 +408,8 @@ def plan_kv_cache(recipe, model_cfg, model, dtype: torch.dtype, device: torch.de
     plan = plan_memory(profile=profile, block_bytes=model_block_bytes(model_cfg, bs, dtype, kv_spec, slots),
                        cache_cfg=recipe.cache, max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                        uses_swap=sched.preemption_mode == "swap", host_available_bytes=mem_available_bytes(),
-                       decode_gather=gather, attention_scratch=scratch, seq_blocks=seq_blocks)
+                       decode_gather=gather, attention_scratch=scratch, seq_blocks=seq_blocks,
+                       cuda_graphs=cuda_graphs)
     plan.kv_cache_dtype = kv_spec.name
     plan.full_block_bytes = model_block_bytes(model_cfg, bs, dtype, kv_spec)
     plan.kv_slots = slots or model_cfg.num_hidden_layers

@@ -6,6 +6,12 @@ prompt logprobs, also the hidden states of its first `prompt_positions` tokens (
 turned into logits by the worker a slice at a time).
 This is the only place where the scheduler's lists become tensors (AttentionMetadata), so the
 scheduler stays tensor-free and the model stays request-free.
+
+With `decode` (a DecodeShape) and a backend that supports it (static_decode: the CuPy kernels, or
+the same run by the emulator), a decode-only step of at most max_num_seqs rows runs on static
+buffers padded to a bucket (worker/decode_buffers.py), replayed from a CUDA graph where one was
+captured for that bucket (worker/cuda_graphs.py). Prefill and mixed steps, and larger batches,
+take the path above.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrun.attention.metadata import AttentionMetadata, StepMetadata
+from pagedrun.worker.decode_buffers import DecodeBuffers, DecodeShape, bucket_for, decode_buckets
 
 
 @dataclass
@@ -27,8 +34,9 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model, kv_caches, backend, block_size: int, device: torch.device,
-                 layer_groups: list[int] | None = None):
-        """layer_groups: the KV cache group of every layer (None: one group)."""
+                 layer_groups: list[int] | None = None, decode: DecodeShape | None = None):
+        """layer_groups: the KV cache group of every layer (None: one group). decode: the static
+        decode buffers' shape (None, or a backend without static_decode: today's path only)."""
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -36,6 +44,13 @@ class ModelRunner:
         self.device = device
         self.layer_groups = layer_groups
         self.num_groups = max(layer_groups) + 1 if layer_groups else 1
+        self.last_prompt_hidden: dict[int, torch.Tensor] = {}
+        self.buffers: DecodeBuffers | None = None
+        self.graphs = None  # a worker/cuda_graphs.DecodeGraphs once captured
+        if decode is not None and getattr(backend, "static_decode", False):
+            self.buffers = DecodeBuffers(decode, device)
+            self.buckets = decode_buckets(decode.max_rows)
+            self._static_metas: dict[int, StepMetadata] = {}
 
     def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
         input_ids: list[int] = []
@@ -56,6 +71,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[ModelInput]) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs."""
+        if self.static_decode_step(inputs):
+            self.last_prompt_hidden = {}
+            return self.execute_static(inputs)
         ids, positions, meta = self.build_metadata(inputs)
         hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
         self.last_prompt_hidden: dict[int, torch.Tensor] = {}  # input index -> [prompt_positions, hidden]
@@ -78,3 +96,38 @@ class ModelRunner:
         if not last:
             return torch.empty(0, 0)
         return self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
+
+    # ---- decode-only steps on static buffers ---------------------------------------------------
+
+    def static_decode_step(self, inputs: list[ModelInput]) -> bool:
+        """Whether this step runs on the static buffers: every input one sampled token, at most
+        max_num_seqs of them."""
+        return (self.buffers is not None and 0 < len(inputs) <= self.buffers.shape.max_rows
+                and all(len(inp.token_ids) == 1 and inp.sample and not inp.prompt_positions for inp in inputs))
+
+    def execute_static(self, inputs: list[ModelInput]) -> torch.Tensor:
+        n = len(inputs)
+        bucket = bucket_for(n, self.buckets)
+        groups = range(self.num_groups)
+        self.buffers.fill([inp.token_ids[0] for inp in inputs], [inp.start_pos for inp in inputs],
+                          [[inp.block_tables[g] for inp in inputs] for g in groups])
+        if self.graphs is not None and self.graphs.has(bucket):
+            return self.graphs.replay(bucket)[:n]
+        return self.forward_static(bucket)[:n]
+
+    def forward_static(self, bucket: int) -> torch.Tensor:
+        """Logits [bucket, vocab] of the rows the buffers hold: the region a CUDA graph captures
+        (embedding, layers, final norm, LM head), the same launches eager or replayed."""
+        b = self.buffers
+        hidden = self.model(b.input_ids[:bucket], b.positions[:bucket], self.kv_caches, self.static_metadata(bucket),
+                            self.backend)
+        return self.model.compute_logits(hidden)
+
+    def static_metadata(self, bucket: int) -> StepMetadata:
+        meta = self._static_metas.get(bucket)
+        if meta is None:
+            cache_device = self.kv_caches[0][0].device  # the backends key their PagedStep by the cache's
+            meta = self._static_metas[bucket] = self.buffers.metadata(
+                bucket, self.layer_groups if self.num_groups > 1 else None, self.backend.wrap, self.backend.name,
+                cache_device)
+        return meta

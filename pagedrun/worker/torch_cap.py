@@ -38,3 +38,13 @@ def cap_torch_memory(plan: MemoryPlan, device: torch.device) -> None:
     total = torch.cuda.mem_get_info(device)[1]
     fraction = plan.torch_cap_bytes / total if plan.torch_cap_bytes else 1.0
     torch.cuda.set_per_process_memory_fraction(min(max(fraction, 0.0), 1.0), cuda_index(device))
+
+
+def count_cuda_graphs(plan: MemoryPlan, pool_bytes: int, device_bytes: int, device: torch.device) -> None:
+    """After the decode graphs are captured (worker/cuda_graphs.py): what they took is in the plan
+    (measured), and the part outside torch's allocator (graph objects: the device's share beyond
+    torch's pool) comes off torch's cap, which is re-applied. The pool itself is torch's, under the cap."""
+    plan.cuda_graph_measured_bytes = device_bytes
+    if plan.torch_cap_bytes:
+        plan.torch_cap_bytes = max(0, plan.torch_cap_bytes - max(0, device_bytes - pool_bytes))
+        cap_torch_memory(plan, device)

@@ -26,11 +26,13 @@ from pagedrun.models.config import resolve_max_model_len
 from pagedrun.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pagedrun.sample.sampler import Sampler, SampleResult, SamplingRow, make_generator
 from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
+from pagedrun.worker.cuda_graphs import DecodeGraphs, estimate_pool_bytes, graphs_off_reason
+from pagedrun.worker.decode_buffers import DecodeShape
 from pagedrun.worker.malloc_tuning import tune_glibc_malloc
 from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
 from pagedrun.worker.model_runner import ModelInput, ModelRunner
 from pagedrun.worker.populate import CachePopulator
-from pagedrun.worker.torch_cap import cap_torch_memory, step_out_of_memory
+from pagedrun.worker.torch_cap import cap_torch_memory, count_cuda_graphs, step_out_of_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # fp8 scales are calibrated on this text (the first CALIBRATION_TOKENS of its tokens), whatever is asked.
@@ -86,10 +88,21 @@ class Worker:
         layers = cfg.num_hidden_layers
         self.kv_groups: KVCacheGroups = plan_groups([cfg.window_of(i) for i in range(layers)],
                                                     recipe.cache.hybrid_kv)
-        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
-                                                self.max_model_len, self.kv_spec, self.kv_groups)
-        self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
         self.backend = make_backend(recipe.model.attention_backend, self.device, self.kv_spec, self.dtype)
+        # Decode-only steps on static buffers where the backend takes them (worker/decode_buffers.py),
+        # captured as CUDA graphs unless graphs_off_reason says why not (worker/cuda_graphs.py).
+        self.decode_shape = (DecodeShape(recipe.scheduler.max_num_seqs, self.max_model_len, recipe.cache.block_size,
+                                         len(self.kv_groups.groups))
+                             if getattr(self.backend, "static_decode", False) else None)
+        self.graphs_off = graphs_off_reason(recipe.model.cuda_graphs, self.device, self.backend.name, cfg,
+                                            self.kv_spec.name)
+        graph_bytes = 0
+        if self.graphs_off is None and self.decode_shape is not None:
+            graph_bytes = self.decode_shape.nbytes() + estimate_pool_bytes(self.decode_shape, cfg,
+                                                                           torch.empty((), dtype=self.dtype).element_size())
+        self.memory: MemoryPlan = plan_kv_cache(recipe, cfg, self.model, self.dtype, self.device,
+                                                self.max_model_len, self.kv_spec, self.kv_groups, graph_bytes)
+        self.num_cpu_blocks = self.memory.num_cpu_blocks if recipe.scheduler.preemption_mode == "swap" else 0
         self.cache_engine = CacheEngine(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                         recipe.cache.block_size, self.memory.num_gpu_blocks, self.num_cpu_blocks,
                                         self.dtype, self.device, self.kv_spec,
@@ -99,9 +112,27 @@ class Worker:
         self.populator = CachePopulator([gpu for gpu, _ in self.cache_engine.block_tensors],
                                         threads=torch.get_num_threads())
         self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
-                                  self.device, self.kv_groups.group_of(layers))
+                                  self.device, self.kv_groups.group_of(layers), self.decode_shape)
         self.sampler = Sampler(recipe.seed)
         self._calibrate_fp8_scales()
+        self.cuda_graphs_line = self._capture_graphs()
+
+    def _capture_graphs(self) -> str:
+        """Capture the decode graphs (after the KV cache and the fp8 scales exist); the start-up line
+        saying whether steps replay graphs, and if not, why."""
+        if self.graphs_off is None and self.runner.buffers is None:
+            self.graphs_off = f"the {self.backend.name} attention backend takes no static decode buffers"
+        if self.graphs_off is not None:
+            return f"cuda graphs: off ({self.graphs_off})"
+        try:
+            stats = DecodeGraphs(self.runner).capture()
+        except CUDA_OOM as e:  # the estimate kept too little: eager steps, said so
+            self.runner.graphs = None
+            torch.cuda.empty_cache()
+            self.graphs_off = f"capture ran out of device memory: {str(e).splitlines()[0][:120]}"
+            return f"cuda graphs: off ({self.graphs_off})"
+        count_cuda_graphs(self.memory, stats.pool_bytes, stats.device_bytes, self.device)
+        return stats.line(self.memory.cuda_graph_bytes)
 
     def _calibrate_fp8_scales(self) -> None:
         """fp8 layer scales the recipe leaves unset, from one fixed prompt run now: a function of the

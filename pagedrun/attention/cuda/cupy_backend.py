@@ -115,6 +115,10 @@ def torch_alloc(device: torch.device):
 
 class CupyAttentionBackend:
     name = "cupy"
+    # Decode-only steps may run on static buffers with a prebuilt PagedStep (worker/decode_buffers.py)
+    # and be captured in CUDA graphs (worker/cuda_graphs.py); `wrap` makes their device arrays.
+    static_decode = True
+    wrap = staticmethod(as_cupy)
 
     def __init__(self, prefill: str = "sdpa", kv_cache_dtype: str = "auto") -> None:
         """prefill: "sdpa" (default) runs prefill through torch's scaled_dot_product_attention on

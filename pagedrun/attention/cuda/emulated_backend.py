@@ -31,6 +31,8 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 
 class EmulatedAttentionBackend:
     name = "emulated"
+    static_decode = True  # the CuPy backend's static-buffer decode path, run on the CPU (worker/decode_buffers.py)
+    wrap = staticmethod(as_numpy)
 
     def __init__(
         self,

@@ -82,12 +82,29 @@ def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: st
                      keep=[slot, tables, bt, lens])
 
 
+def _key(owner: str, device: torch.device, prefill: str) -> tuple:
+    return ("paged_step", owner, str(device), prefill)
+
+
 def cached(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: str, owner: str) -> PagedStep:
     """The step's PagedStep, built by the first layer that asks (per backend, device and mode)."""
-    key = ("paged_step", owner, str(device), prefill)
+    key = _key(owner, device, prefill)
     step = meta.backend_state.get(key)
     if step is None:
         step = meta.backend_state[key] = build(meta, device, wrap, prefill)
+    return step
+
+
+def seed_static(meta: AttentionMetadata, device: torch.device, wrap: Wrap, owner: str) -> PagedStep:
+    """The PagedStep of a decode-only step on static buffers (worker/decode_buffers.py), stored where
+    `cached` finds it in either prefill mode: every row a kernel row (padding rows included, so the
+    output is never zero-filled or scattered), max_seq_len the metadata's bound (max_model_len),
+    nothing read from the host. Built once per bucket; CUDA graphs replay its launches."""
+    slot, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+    step = PagedStep(wrap(slot), int(lens.shape[0]), None, wrap(tables), wrap(lens), meta.max_seq_len, [], tables,
+                     keep=[slot, tables, lens])
+    for mode in PREFILL_MODES:
+        meta.backend_state[_key(owner, device, mode)] = step
     return step
 
 
