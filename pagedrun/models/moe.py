@@ -89,6 +89,17 @@ def _native_grouped_mm(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
+def host_free_on(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether every FusedMoE of these widths runs grouped_experts on device in dtype, i.e. reads
+    nothing back to the host (what CUDA graph capture needs): the conditions of grouped_mm_takes
+    known before any weight is loaded."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype is not torch.bfloat16:
+        return False
+    if (hidden * 2) % 16 or (intermediate * 2) % 16:
+        return False
+    return _native_grouped_mm(device)
+
+
 def grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether grouped_experts runs on these operands: torch._grouped_mm exists, the weights are
     plain (not the CPU kernels' packed layout) and contiguous [E, 2I, H] / [E, H, I], every row

@@ -36,8 +36,8 @@ POOL_FLOOR = 32 << 20
 SETTINGS = ("auto", "true", "false")
 
 
-def graphs_off_reason(setting: str, device: torch.device, backend_name: str, model_cfg, kv_cache_dtype: str
-                      ) -> str | None:
+def graphs_off_reason(setting: str, device: torch.device, backend_name: str, model_cfg, kv_cache_dtype: str,
+                      dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None when decode steps are to be captured, else why not (the start-up line's words).
     setting `true` makes a reason an error, `auto` a fallback to eager steps."""
     if setting not in SETTINGS:
@@ -49,15 +49,22 @@ def graphs_off_reason(setting: str, device: torch.device, backend_name: str, mod
         reason = f"the model runs on {device.type}, graphs need CUDA"
     elif backend_name != "cupy":
         reason = f"the {backend_name} attention backend (graphs capture the cupy backend's kernels)"
-    elif getattr(model_cfg, "moe", None) is not None:
-        # The torch MoE path sizes its expert batches on the host (bincount().tolist()): a sync that
-        # capture forbids. Off until that path is host-free.
-        reason = "an MoE model (its expert routing reads counts back to the host)"
+    elif getattr(model_cfg, "moe", None) is not None and not _moe_host_free(model_cfg, device, dtype):
+        # Only the grouped experts path (torch._grouped_mm, native on sm90/sm100 in bf16) keeps the
+        # routing on the device; the per-expert loop reads counts back to the host, which capture forbids.
+        reason = ("an MoE model whose experts run the per-expert loop (it reads counts back to the host; "
+                  "graphs need bf16 on an sm90/sm100 GPU: models/moe.py)")
     elif kv_cache_dtype.startswith("fp8"):
         reason = "an fp8 KV cache (its per-layer scales are host tensors, copied in every layer)"
     if reason is not None and setting == "true":
         raise PagedrunError(f"model.cuda_graphs: true, but {reason}; use auto or false")
     return reason
+
+
+def _moe_host_free(model_cfg, device: torch.device, dtype: torch.dtype) -> bool:
+    from pagedrun.models.moe import host_free_on
+
+    return host_free_on(device, dtype, model_cfg.hidden_size, model_cfg.moe.intermediate_size)
 
 
 def estimate_pool_bytes(shape: DecodeShape, model_cfg, elem_bytes: int) -> int:

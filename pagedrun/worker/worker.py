@@ -95,7 +95,7 @@ class Worker:
                                          len(self.kv_groups.groups))
                              if getattr(self.backend, "static_decode", False) else None)
         self.graphs_off = graphs_off_reason(recipe.model.cuda_graphs, self.device, self.backend.name, cfg,
-                                            self.kv_spec.name)
+                                            self.kv_spec.name, self.dtype)
         graph_bytes = 0
         if self.graphs_off is None and self.decode_shape is not None:
             graph_bytes = self.decode_shape.nbytes() + estimate_pool_bytes(self.decode_shape, cfg,

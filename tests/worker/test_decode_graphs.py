@@ -282,11 +282,26 @@ def test_graphs_off_reasons():
     assert "false" in CG.graphs_off_reason("false", cuda, "cupy", cfg, "auto")
     assert "cpu" in CG.graphs_off_reason("auto", cpu, "emulated", cfg, "auto")
     assert "torch attention backend" in CG.graphs_off_reason("auto", cuda, "torch", cfg, "auto")
-    assert "MoE" in CG.graphs_off_reason("auto", cuda, "cupy", _cfg(moe=object()), "auto")
+    moe = _cfg(moe=types.SimpleNamespace(intermediate_size=768))
+    # an MoE model captures only where its experts run grouped (bf16 on sm90 / sm100: no host read)
+    assert "MoE" in CG.graphs_off_reason("auto", cuda, "cupy", moe, "auto", torch.float16)
     assert "fp8" in CG.graphs_off_reason("auto", cuda, "cupy", cfg, "fp8_e4m3")
     assert CG.graphs_off_reason("auto", cuda, "cupy", cfg, "int8") is None
     with pytest.raises(PagedrunError, match="model.cuda_graphs: true, but the model runs on cpu"):
         CG.graphs_off_reason("true", cpu, "torch", cfg, "auto")
+
+
+def test_moe_graphs_follow_the_grouped_experts_path(monkeypatch):
+    from pagedrun.models import moe as moe_mod
+
+    cuda = torch.device("cuda")
+    moe = _cfg(moe=types.SimpleNamespace(intermediate_size=768))
+    monkeypatch.setattr(moe_mod, "_native_grouped_mm", lambda device: True)
+    assert CG.graphs_off_reason("auto", cuda, "cupy", moe, "auto", torch.bfloat16) is None
+    odd = _cfg(moe=types.SimpleNamespace(intermediate_size=100))  # 200-byte rows: not 16-byte multiples
+    assert "MoE" in CG.graphs_off_reason("auto", cuda, "cupy", odd, "auto", torch.bfloat16)
+    monkeypatch.setattr(moe_mod, "_native_grouped_mm", lambda device: False)  # e.g. an A100
+    assert "MoE" in CG.graphs_off_reason("auto", cuda, "cupy", moe, "auto", torch.bfloat16)
 
 
 def test_worker_says_why_graphs_are_off_on_the_cpu(tmp_path):
