@@ -25,6 +25,7 @@ from pagedrun.kv.groups import KVCacheGroups, plan_groups
 from pagedrun.models.config import resolve_max_model_len
 from pagedrun.models.loader import load_model, load_tokenizer, resolve_model_dir
 from pagedrun.sample.sampler import Sampler, SampleResult, SamplingRow, make_generator
+from pagedrun.sample.transfer import to_device
 from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
 from pagedrun.worker.cuda_graphs import DecodeGraphs, estimate_pool_bytes, graphs_off_reason
 from pagedrun.worker.decode_buffers import DecodeShape
@@ -181,7 +182,7 @@ class Worker:
             raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in model_inputs), e) from None
         if not rows:
             return SampleResult([], [], prompt_logprobs=prompt_lps) if prompt_lps else None
-        expanded = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of, device=logits.device)]
+        expanded = logits if len(row_of) == logits.shape[0] else logits[to_device(row_of, torch.long, logits.device)]
         result = self.sampler(expanded, [SamplingRow(*r) for r in rows])
         result.prompt_logprobs = prompt_lps
         return result
