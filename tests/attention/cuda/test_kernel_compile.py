@@ -74,7 +74,7 @@ def quantized_variants(kv: str) -> list[K.KernelVariant]:
 
 def instantiation_source(names: list[str]) -> str:
     """Taking each kernel's address instantiates it, so nvcc emits exactly these entry points."""
-    lines = [f'#include "{K.KERNEL_DIR / K.ATTENTION_SOURCE}"', f'#include "{K.KERNEL_DIR / K.CACHE_OPS_SOURCE}"']
+    lines = [f'#include "{K.KERNEL_DIR / f}"' for f in (K.ATTENTION_SOURCE, K.CACHE_OPS_SOURCE, K.PREFILL_SOURCE)]
     lines.append("void* pagedrun_instances[] = {")
     lines += [f"    (void*)&{n}," for n in names]
     lines.append("};")
