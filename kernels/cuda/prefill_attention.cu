@@ -82,6 +82,8 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
   static_assert(HEAD_SIZE % VEC == 0, "head_size * sizeof(dtype) must be a multiple of 16");
   constexpr int VECS_PER_ROW = HEAD_SIZE / VEC;
   constexpr int ELEMS = PR_DIV_UP(ROWS * HEAD_SIZE, NUM_THREADS);  // output elements per thread
+  constexpr int ROWS_PER_WARP = PR_DIV_UP(ROWS, NUM_WARPS);
+  constexpr bool ONE_COLUMN = NUM_THREADS % HEAD_SIZE == 0;  // a thread's output elements share a column
 
   const int head0 = blockIdx.x * GROUP;
   const int num_heads = gridDim.x * GROUP;
@@ -163,8 +165,23 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
     }
     __syncthreads();
 
-    // 2. logits and the online softmax, a row per warp at a time, a key per lane
-    for (int r = warp_idx; r < ROWS; r += NUM_WARPS) {
+    // 2. logits and the online softmax: warp w takes rows w, w + NUM_WARPS, ..., a key per lane. Each
+    //    lane reads its key row once per element for all the warp's rows (q is a broadcast read).
+    float dots[ROWS_PER_WARP];
+    PR_UNROLL
+    for (int j = 0; j < ROWS_PER_WARP; j++) dots[j] = 0.f;
+    for (int d = 0; d < HEAD_SIZE; d++) {
+      const float kd = k_smem[lane * S::K_STRIDE + d];
+      PR_UNROLL
+      for (int j = 0; j < ROWS_PER_WARP; j++) {
+        const int r = warp_idx + j * NUM_WARPS;
+        if (ROWS % NUM_WARPS == 0 || r < ROWS) dots[j] += q_smem[r * HEAD_SIZE + d] * kd;
+      }
+    }
+    PR_UNROLL
+    for (int j = 0; j < ROWS_PER_WARP; j++) {
+      const int r = warp_idx + j * NUM_WARPS;
+      if (ROWS % NUM_WARPS != 0 && r >= ROWS) break;  // uniform across the warp: its shuffles stay whole
       const int qi = r / GROUP;
       const int pos = pos0 + qi;
       const int key = key0 + lane;
@@ -172,10 +189,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
       // Causal and window in one unsigned range check (a key below row_first wraps around); rows past
       // the tile's queries see nothing.
       const bool valid = qi < num_q && (unsigned)(key - row_first) <= (unsigned)(pos - row_first);
-      float dot = 0.f;
-      PR_UNROLL
-      for (int d = 0; d < HEAD_SIZE; d++) dot += q_smem[r * HEAD_SIZE + d] * k_smem[lane * S::K_STRIDE + d];
-      const float logit = valid ? soft_cap(dot * scale, softcap) : -PR_FLT_MAX;
+      const float logit = valid ? soft_cap(dots[j] * scale, softcap) : -PR_FLT_MAX;
       const float m_old = m_smem[r];  // read by every lane before lane 0 rewrites it (after the shuffles)
       float chunk_max = logit;
       PR_UNROLL
@@ -198,16 +212,22 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
     }
     __syncthreads();
 
-    // 3. PV: thread i owns elements i, i + NUM_THREADS, ... of [ROWS][HEAD_SIZE]
+    // 3. PV: thread i owns elements i, i + NUM_THREADS, ... of [ROWS][HEAD_SIZE]. Where NUM_THREADS is a
+    //    multiple of HEAD_SIZE they all lie in one column, so each value element is read once for all.
     PR_UNROLL
     for (int k = 0; k < ELEMS; k++) {
       const int e = thread_idx + k * NUM_THREADS;
-      if (ROWS * HEAD_SIZE % NUM_THREADS == 0 || e < ROWS * HEAD_SIZE) {
-        const int r = e / HEAD_SIZE, d = e - r * HEAD_SIZE;
-        float s = 0.f;
-        PR_UNROLL
-        for (int t = 0; t < CHUNK; t++) s += p_smem[r * CHUNK + t] * v_smem[t * HEAD_SIZE + d];
-        acc[k] = acc[k] * alpha_smem[r] + s;
+      if (ROWS * HEAD_SIZE % NUM_THREADS == 0 || e < ROWS * HEAD_SIZE) acc[k] *= alpha_smem[e / HEAD_SIZE];
+    }
+    for (int t = 0; t < CHUNK; t++) {
+      const float vt = ONE_COLUMN ? v_smem[t * HEAD_SIZE + thread_idx % HEAD_SIZE] : 0.f;
+      PR_UNROLL
+      for (int k = 0; k < ELEMS; k++) {
+        const int e = thread_idx + k * NUM_THREADS;
+        if (ROWS * HEAD_SIZE % NUM_THREADS == 0 || e < ROWS * HEAD_SIZE) {
+          const int r = e / HEAD_SIZE;
+          acc[k] += p_smem[r * CHUNK + t] * (ONE_COLUMN ? vt : v_smem[t * HEAD_SIZE + e - r * HEAD_SIZE]);
+        }
       }
     }
   }

@@ -277,7 +277,7 @@ MUTATIONS = [
      "(unsigned)(key - row_first) <= (unsigned)(pos - row_first)",
      "(unsigned)(key - row_first) <= (unsigned)(pos + 1 - row_first)", 1),
     ("no_rescale", "the accumulators are not rescaled when a chunk raises the running max",
-     "acc[k] = acc[k] * alpha_smem[r] + s;", "acc[k] = acc[k] + s;", 1),
+     "acc[k] *= alpha_smem[e / HEAD_SIZE];", "acc[k] *= 1.f;", 1),
     ("window_off_by_one", "each query's window starts one key early",
      "const int row_first = window_first_key(pos + 1, window);",
      "const int row_first = window_first_key(pos + 1, window + 1);", 1),
