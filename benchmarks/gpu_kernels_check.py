@@ -86,14 +86,14 @@ def big():
 
 
 def stream():
-    """Both prefill modes, GQA and MQA (one KV head: torch <= 2.9 exports its strides as 1), on a
+    """Every prefill mode, GQA and MQA (one KV head: torch <= 2.9 exports its strides as 1), on a
     side stream whose query lands only after tens of ms of queued work."""
     import torch
 
     from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
     for spec, heads, kv_heads in ((T.StepSpec([16, 0, 33], [4, 6, 1]), 9, 3), (T.StepSpec([40, 0, 7], [3, 5, 1]), 4, 1)):
-        for prefill in ("sdpa", "kernel"):
+        for prefill in ("varlen", "sdpa", "kernel"):
             q, k, v, kc, vc, meta, fk, fv = T.build_step(spec, torch.float16, 64, 16, heads, kv_heads, seed=3)
             ref = T.causal_reference(q, meta, fk, fv, 0.125, heads, kv_heads)
             for name in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc"):
@@ -113,7 +113,7 @@ def stream():
             n = sum(spec.query_lens)
             T.assert_close(out[:n].double().cpu().numpy(), ref[:n].numpy(), "float16",
                            f"side stream, {prefill} prefill, kv heads {kv_heads}")
-    print("stream: ok (side stream; sdpa and kernel prefill; GQA 9/3 and MQA 4/1)")
+    print("stream: ok (side stream; varlen, sdpa and kernel prefill; GQA 9/3 and MQA 4/1)")
 
 
 def smem():
