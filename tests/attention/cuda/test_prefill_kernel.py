@@ -348,3 +348,37 @@ def test_mutation_control_passes():
 def test_mutant_is_caught(mutation):
     T.emulator_or_skip()
     assert mutant_outcome(mutation[0]) != "ok", f"{mutation[0]} ({mutation[1]}) escaped"
+
+
+# ------------------------------------------------------------------ the GPU session's benchmark
+
+
+def _prefill_modes():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    import prefill_modes
+
+    return prefill_modes
+
+
+def test_prefill_modes_configs():
+    B = _prefill_modes()
+    assert B.parse_configs("16x128, 8x256+1024") == [(16, 128, 0), (8, 256, 1024)]
+    with pytest.raises(SystemExit, match="SEQSxNEW"):
+        B.parse_configs("16y128")
+
+
+@pytest.mark.slow
+def test_prefill_modes_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    """benchmarks/prefill_modes.py through the emulated backend: every mode runs and agrees."""
+    import json
+
+    T.emulator_or_skip()
+    out = tmp_path / "modes.json"
+    assert _prefill_modes().main(["--device", "cpu", "--dtype", "float32", "--head-size", "32", "--block-size", "8",
+                                  "--configs", "2x20,1x9+13", "--iters", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["2x20", "1x9+13"]
+    assert all(set(r["ms"]) == {"varlen", "sdpa", "kernel"} and r["max_abs_diff"] < 1e-5 for r in rows)
