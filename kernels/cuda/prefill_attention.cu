@@ -190,7 +190,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
       // the tile's queries see nothing.
       const bool valid = qi < num_q && (unsigned)(key - row_first) <= (unsigned)(pos - row_first);
       const float logit = valid ? soft_cap(dots[j] * scale, softcap) : -PR_FLT_MAX;
-      const float m_old = m_smem[r];  // read by every lane before lane 0 rewrites it (after the shuffles)
+      const float m_old = m_smem[r];
       float chunk_max = logit;
       PR_UNROLL
       for (int mask = PR_WARP_SIZE / 2; mask >= 1; mask /= 2) {
@@ -203,6 +203,7 @@ __global__ void PR_LAUNCH_BOUNDS(NUM_THREADS) paged_prefill_kernel(
       PR_UNROLL
       for (int mask = PR_WARP_SIZE / 2; mask >= 1; mask /= 2) sum += __shfl_xor_sync(PR_FULL_MASK, sum, mask);
       p_smem[r * CHUNK + lane] = p;
+      __syncwarp();  // every lane has read m_smem[r] (m_old) before lane 0 rewrites it
       if (lane == 0) {
         const float alpha = fast_exp(m_old - m_new);  // 0 when m_old is -FLT_MAX and m_new a logit
         alpha_smem[r] = alpha;
