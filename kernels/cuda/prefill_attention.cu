@@ -56,9 +56,10 @@ struct PrefillSmem {
 //  1. the chunk's K/V rows -> shared memory (fp32); rows outside [the tile's first key, its last query's
 //     position] are zeros, never loaded: below lie placeholders (sliding window) or keys no query of the
 //     tile sees, above lie unwritten slots (any bits, NaN included; 0 * NaN would poison the sums).
-//  2. warp w takes rows w, w + 4, ...: lane t computes the row's logit for key t (q from shared memory,
-//     broadcast), caps it, masks it (causal, window) by select, and the warp folds max and sum by
-//     shuffles: m' = max(m, chunk max), p_t = exp(l_t - m'), alpha = exp(m - m'), l = l * alpha + sum p.
+//  2. warp w takes rows w, w + 4, ...: lane t computes the logits of key t for all of them (one read of
+//     the key row, q broadcast from shared memory), then row by row caps each, masks it (causal, window)
+//     by select, and the warp folds max and sum by shuffles: m' = max(m, chunk max),
+//     p_t = exp(l_t - m'), alpha = exp(m - m'), l = l * alpha + sum p.
 //  3. thread i owns output elements i, i + 128, ... of the tile's [ROWS][HEAD_SIZE]: acc = acc * alpha +
 //     sum_t p_t * v_t.
 // At the end out = acc / l; with a sink, M = max(m, sink), out = acc e^(m - M) / (l e^(m - M) + e^(sink - M)),
