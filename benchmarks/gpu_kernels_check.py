@@ -5,6 +5,7 @@
     python3 benchmarks/gpu_kernels_check.py stream  # the CuPy backend on a non-default torch stream, MQA too
     python3 benchmarks/gpu_kernels_check.py smem    # v1 at exactly 48 KiB dynamic + static smem (GPU-REVIEW Q1)
     python3 benchmarks/gpu_kernels_check.py quantized  # fp8 / int8 KV caches: the emulator-checked cases on the GPU
+    python3 benchmarks/gpu_kernels_check.py prefill    # the varlen prefill kernel (a compute-sanitizer target too)
 
 Each prints "<name>: ok ..." or raises. Run from the repository root.
 """
@@ -86,14 +87,14 @@ def big():
 
 
 def stream():
-    """Both prefill modes, GQA and MQA (one KV head: torch <= 2.9 exports its strides as 1), on a
+    """Every prefill mode, GQA and MQA (one KV head: torch <= 2.9 exports its strides as 1), on a
     side stream whose query lands only after tens of ms of queued work."""
     import torch
 
     from pagedrun.attention.cuda.cupy_backend import CupyAttentionBackend
 
     for spec, heads, kv_heads in ((T.StepSpec([16, 0, 33], [4, 6, 1]), 9, 3), (T.StepSpec([40, 0, 7], [3, 5, 1]), 4, 1)):
-        for prefill in ("sdpa", "kernel"):
+        for prefill in ("varlen", "sdpa", "kernel"):
             q, k, v, kc, vc, meta, fk, fv = T.build_step(spec, torch.float16, 64, 16, heads, kv_heads, seed=3)
             ref = T.causal_reference(q, meta, fk, fv, 0.125, heads, kv_heads)
             for name in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc"):
@@ -113,7 +114,7 @@ def stream():
             n = sum(spec.query_lens)
             T.assert_close(out[:n].double().cpu().numpy(), ref[:n].numpy(), "float16",
                            f"side stream, {prefill} prefill, kv heads {kv_heads}")
-    print("stream: ok (side stream; sdpa and kernel prefill; GQA 9/3 and MQA 4/1)")
+    print("stream: ok (side stream; varlen, sdpa and kernel prefill; GQA 9/3 and MQA 4/1)")
 
 
 def smem():
@@ -187,6 +188,34 @@ def quantized():
                 T.assert_close(got[g], got[1], v.dtype, f"{v} {ver}: group {g} vs one head")
     print("quantized: ok (one-head and grouped); worst error vs unquantized float64: "
           + ", ".join(f"{kv} {e:.3g}" for kv, e in worst.items()))
+
+
+def prefill():
+    """The varlen prefill kernel once per dtype, grouped and one head per block, a sliding window over
+    NaN placeholders on the last: the emulator's cases (test_prefill_kernel.py), short enough for racecheck."""
+    import cupy
+    import test_prefill_kernel as P
+    import torch
+
+    from pagedrun.attention.cuda import paged_step
+    from pagedrun.attention.cuda.emulated_backend import as_numpy
+
+    for i, shape in enumerate(P.SHAPES[:3]):
+        v, heads, kv_heads, window = P.variant_of(*shape), shape[3], shape[4], 20 if i == 2 else 0
+        spec = T.StepSpec([13, 0, 40], [30, 45, 21])
+        query, kc, vc, meta, seqs, ref, rows = P.prefill_case(v, spec, heads, kv_heads, seed=6, window=window)
+        ker = K.cupy_kernels(v)
+        q, k_cache, v_cache = (cupy.asarray(as_numpy(t)) for t in (query, kc, vc))
+        tables = cupy.asarray(as_numpy(meta.block_tables.to(torch.int32).contiguous()))
+        for group in dict.fromkeys((v.launch_group(heads, kv_heads), 1)):
+            out = cupy.zeros(q.shape, dtype=q.dtype)
+            tiles = cupy.asarray(paged_step.prefill_tiles(seqs, v.prefill_tile_q(group)))
+            ker.prefill_attention(out, q, k_cache, v_cache, tables, tiles, int((seqs[:, 2] + seqs[:, 3]).max()),
+                                  v.head_size**-0.5, group, window=window)
+            cupy.cuda.runtime.deviceSynchronize()
+            got = T.to_f64(cupy.asnumpy(out), v.dtype)
+            T.assert_close(got[rows], ref[rows], v.dtype, f"prefill {v} group {group} window {window}")
+    print("prefill: ok (varlen prefill kernel, grouped and one head per block, x 3 dtypes, a window)")
 
 
 if __name__ == "__main__":

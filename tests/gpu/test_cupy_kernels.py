@@ -164,7 +164,7 @@ def _torch_cuda():
     return torch
 
 
-@pytest.mark.parametrize("prefill", ["sdpa", "kernel"])  # tensor-core SDPA prefill (default) and pseudo-sequences
+@pytest.mark.parametrize("prefill", ["varlen", "sdpa", "kernel"])  # varlen kernel (default), SDPA, pseudo-sequences
 @pytest.mark.parametrize("case", T.BACKEND_CASES, ids=[f"{c[0]}-h{c[1]}-bs{c[2]}" for c in T.BACKEND_CASES])
 def test_gpu_backend_mixed_step(case, prefill):
     torch = _torch_cuda()

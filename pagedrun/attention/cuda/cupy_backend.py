@@ -7,8 +7,9 @@ no synchronisation. Every device allocation (v2 scratch, the step's index arrays
 torch's caching allocator, so the memory plan and torch's accounting see all of it.
 
 - forward: reshape_and_cache, then the paged kernels (v1 or v2 by vLLM's rule) for decode tokens
-  and torch SDPA (tensor cores) for prefilling sequences over their new + cached tokens. The
-  step's kernel inputs are built by the first layer and reused by the others (paged_step.py).
+  and one varlen prefill kernel launch for every prefilling sequence, reading its new and cached
+  tokens in place (prefill="sdpa": torch SDPA per sequence instead). The step's kernel inputs are
+  built by the first layer and reused by the others (paged_step.py).
 - kv_cache_dtype: fp8_e4m3 / fp8_e5m2 (uint8 caches, k_scale / v_scale per layer) or int8 (int8
   caches, a scale per row beside each block); prefill then runs through the kernels, which
   dequantize (SDPA would read the raw codes).
@@ -120,10 +121,11 @@ class CupyAttentionBackend:
     static_decode = True
     wrap = staticmethod(as_cupy)
 
-    def __init__(self, prefill: str = "sdpa", kv_cache_dtype: str = "auto") -> None:
-        """prefill: "sdpa" (default) runs prefill through torch's scaled_dot_product_attention on
-        tensor cores and the paged kernels for decode; "kernel" runs prefill tokens through the paged
-        kernels as pseudo-sequences (GPU tests compare the two)."""
+    def __init__(self, prefill: str = "varlen", kv_cache_dtype: str = "auto") -> None:
+        """prefill: "varlen" (default) runs every prefilling sequence through one launch of the varlen
+        prefill kernel per layer and the paged kernels for decode; "sdpa" runs prefill through torch's
+        scaled_dot_product_attention, one call per sequence; "kernel" runs prefill tokens through the
+        paged decode kernels as pseudo-sequences (GPU tests compare the three)."""
         import cupy
 
         if not cupy.is_available():

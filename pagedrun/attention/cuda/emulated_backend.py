@@ -42,8 +42,9 @@ class EmulatedAttentionBackend:
         kv_cache_dtype: str = "auto",
     ):
         """prefill: "kernel" runs prefill tokens through the paged kernels as pseudo-sequences (what
-        CI checks the kernels on); "sdpa" is the CuPy backend's path on a GPU (prefill through torch
-        SDPA, kernels for decode), run here so CI checks that path's host logic."""
+        CI checks the decode kernels on); "varlen" is the CuPy backend's default path on a GPU (one
+        varlen prefill kernel launch per layer, the decode kernels for decode tokens); "sdpa" its
+        other one (prefill through torch SDPA), run here so CI checks that path's host logic."""
         self.schedule = schedule
         self.prefill = prefill
         self.kv_cache_dtype = K.kv_dtype_name(kv_cache_dtype)

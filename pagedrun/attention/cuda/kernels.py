@@ -34,6 +34,7 @@ from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     MAX_QUANTIZED_GROUP,
     NUM_THREADS,
     PARTITION_SIZE,
+    PREFILL_CHUNK,
     QUANTIZED_KV_DTYPES,
     WARP_SIZE,
     KernelVariant,
@@ -41,6 +42,7 @@ from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     dtype_name,
     group_for,
     kv_dtype_name,
+    prefill_tile_q,
 )
 
 # NVRTC has no default include path: where cuda_fp16.h / cuda_bf16.h are (defined with the ctypes NVRTC)
@@ -49,6 +51,7 @@ from pagedrun.build.nvrtc import cuda_include_dirs  # noqa: F401  (re-exported)
 KERNEL_DIR = Path(__file__).resolve().parents[3] / "kernels" / "cuda"
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
+PREFILL_SOURCE = "prefill_attention.cu"
 
 # v1 only for sequences of one partition (<= PARTITION_SIZE tokens). vLLM keeps v1 up to 8,192
 # tokens when (sequences x heads) > 512; on an H200 v2 was faster at every length of two partitions
@@ -84,9 +87,9 @@ def load_source(name: str, seen: set[str] | None = None) -> str:
 
 
 def full_source() -> str:
-    """Both .cu files as one translation unit (both include only NVRTC-provided headers)."""
+    """The .cu files as one translation unit (they include only NVRTC-provided headers)."""
     seen: set[str] = set()
-    return load_source(ATTENTION_SOURCE, seen) + "\n" + load_source(CACHE_OPS_SOURCE, seen)
+    return "\n".join(load_source(f, seen) for f in (ATTENTION_SOURCE, CACHE_OPS_SOURCE, PREFILL_SOURCE))
 
 
 # ---------------------------------------------------------------- v1 / v2 choice and shared memory
@@ -146,6 +149,14 @@ def v2_shared_mem(head_size: int, group: int = 1) -> int:
 
 def reduce_shared_mem(max_num_partitions: int) -> int:
     return 4 * 2 * max_num_partitions
+
+
+def prefill_shared_mem(head_size: int, rows: int) -> int:
+    """Bytes of the varlen prefill kernel's fp32 buffers (PrefillSmem in prefill_attention.cu): the
+    tile's q [rows][D], one chunk's K [32][D + 1] (padded) and V [32][D], its weights [rows][32], and
+    three floats per row (running max, sum, rescale)."""
+    c = PREFILL_CHUNK
+    return 4 * (rows * head_size + c * (head_size + 1) + c * head_size + rows * c + 3 * rows)
 
 
 # ---------------------------------------------------------------- modules
@@ -306,6 +317,74 @@ class PagedKernels:
                                    q_stride, max_seq_len, scale, empty, group, window, softcap, sinks)
         return version
 
+    def prefill_attention(
+        self, out, query, key_cache, value_cache, block_tables, tiles, max_seq_len: int, scale: float,
+        group: int | None = None, *, window: int = 0, softcap: float = 0.0, sinks=None,
+    ) -> int:
+        """The varlen prefill kernel over every tile of `tiles` (int32 [num_tiles, 4]: block-table row,
+        first token, queries, the first query's position; paged_step.prefill_tiles with this launch's
+        tile size, `self.variant.prefill_tile_q(group)`): out[token, h] = causal attention of query
+        [token, h] over its sequence's cache positions up to its own, read through block_tables in place.
+        out [num_tokens, num_heads, head_size] contiguous: rows of no tile are left as they are.
+        max_seq_len >= every tile's last position + 1 (decides whether the window binds). window /
+        softcap / sinks as paged_attention's. group: query heads per block (default: the variant's
+        where it divides the heads per KV head, else 1). Returns the number of tiles launched."""
+        num_tiles = int(tiles.shape[0])
+        if num_tiles == 0:
+            return 0
+        v = self.variant
+        _check(not v.quantized, "the prefill kernel reads a cache in the model dtype (quantized: prefill 'kernel')")
+        num_tokens, num_heads, head_size = (int(s) for s in query.shape)
+        _, block_size, num_kv_heads, cache_head_size = key_cache.shape
+        self._check_cache(key_cache, value_cache, None, None)
+        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
+        _check(num_heads % num_kv_heads == 0,
+               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        _check(rows_contiguous(query), "query heads must be contiguous")
+        _check(same_dtype(query.dtype, v.np_dtype) and same_dtype(out.dtype, v.np_dtype),
+               lambda: f"query/out dtype != the model dtype {v.dtype}")
+        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
+               "out must be contiguous like query")
+        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
+               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
+        _check(tiles.dtype == np.int32 and tiles.ndim == 2 and int(tiles.shape[1]) == 4
+               and c_contiguous_ignoring_size1(tiles), "tiles must be contiguous int32 [num_tiles, 4]")
+        window, softcap = int(window), float(softcap)
+        _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
+        _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
+        _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
+                                 and c_contiguous_ignoring_size1(sinks)),
+               lambda: f"sinks must be contiguous float32 [{num_heads}]")
+        if group is None:
+            group = v.launch_group(num_heads, num_kv_heads)
+        _check(group in (1, v.launch_group(num_heads, num_kv_heads)),
+               lambda: f"group {group}: this variant launches 1 or {v.launch_group(num_heads, num_kv_heads)}")
+        tile_q = v.prefill_tile_q(group)
+        if self.xp is np:  # cheap on the host; on a GPU it would cost a sync
+            _check(bool((tiles[:, 2] >= 1).all() and (tiles[:, 2] <= tile_q).all()),
+                   lambda: f"tiles must hold 1..{tile_q} queries each (this launch's tile size)")
+            _check(bool((tiles[:, 1] + tiles[:, 2] <= num_tokens).all()), "tiles past the last token")
+            _check(bool((tiles[:, 3] + tiles[:, 2] <= max_seq_len).all()),
+                   lambda: f"a tile reaches past max_seq_len {max_seq_len}")
+            _check(bool((tiles[:, 0] >= 0).all() and (tiles[:, 0] < block_tables.shape[0]).all()),
+                   "tile block-table rows out of range")
+        _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
+               lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
+        if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
+            window = 0
+        q_stride = np.int32(query.strides[0] // query.itemsize if num_tokens > 1 else num_heads * head_size)
+        name = v.prefill_name(group)
+        smem = prefill_shared_mem(head_size, tile_q * group)
+        fn = self.function(name, smem)
+        for lo in range(0, num_tiles, self.max_grid_y):  # tiles sit on gridDim.y
+            hi = min(num_tiles, lo + self.max_grid_y)
+            fn((num_heads // group, hi - lo, 1), (NUM_THREADS, 1, 1),
+               (out, query, key_cache, value_cache, np.int32(num_kv_heads), np.float32(scale), block_tables,
+                tiles[lo:hi], np.int32(block_tables.shape[1]), q_stride, np.int32(window), np.float32(softcap),
+                sinks),
+               shared_mem=smem)
+        return num_tiles
+
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
                           k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group,
                           window, softcap, sinks=None) -> None:
@@ -392,7 +471,7 @@ def c_contiguous_ignoring_size1(a) -> bool:
 
 def build_kernels(
     factory: ModuleFactory, variants: list[KernelVariant], xp: Any,
-    parts: tuple[str, ...] = ("v1", "v2", "cache"), code: str | None = None,
+    parts: tuple[str, ...] = ("v1", "v2", "cache", "prefill"), code: str | None = None,
 ) -> dict[KernelVariant, PagedKernels]:
     """One module holding several variants (one compile, which is what costs under the emulator)."""
     names = list(dict.fromkeys(n for v in variants for n in v.name_expressions(parts)))

@@ -6,14 +6,20 @@ table rows and lengths, the host-to-device copies and the wraps as device arrays
 first layer and cached on the step's AttentionMetadata; the other layers reuse it. It is all done
 with torch on the cache's device, so on a GPU it is in torch's allocator (and its accounting).
 
-Two ways to do prefill, one per backend need:
-- "sdpa": only decode tokens (query length 1) go through the paged kernels; each prefilling
-  sequence goes through torch's scaled_dot_product_attention (tensor cores on a GPU;
-  pagedrun/attention/sdpa_prefill.py). The CuPy backend's default.
+Three ways to do prefill:
+- "varlen": decode tokens (query length 1) go through the paged decode kernels; every prefilling
+  sequence goes through one launch of the varlen prefill kernel per layer
+  (kernels/cuda/prefill_attention.cu), over tiles of consecutive queries of one sequence
+  (prefill_tiles below: a small int32 array built on the host once per step) that read the cache in
+  place, cached prefix included. The CuPy backend's default.
+- "sdpa": decodes as above; each prefilling sequence goes through torch's
+  scaled_dot_product_attention (tensor cores on a GPU; pagedrun/attention/sdpa_prefill.py), one call,
+  mask and prefix gather per sequence per layer.
 - "kernel": every token is a paged-kernel row, prefill token j of sequence i a "pseudo-sequence"
   of length context_i + j + 1 on i's block table (pseudo_sequences below). The emulated
-  backend's default, so CI runs the kernels on prefill too.
-A quantized KV cache (issue 18) always takes the "kernel" path: SDPA would read the raw codes.
+  backend's default, so CI runs the decode kernels on prefill too.
+A quantized KV cache (issue 18) always takes the "kernel" path: SDPA would read the raw codes, and
+the varlen kernel reads only caches in the model dtype.
 
 Quantized caches also carry their float32 scales (k_scale / v_scale, vLLM's names): fp8 one per layer
 (a float or a 1-element tensor), int8 one per (slot, kv head) in a [num_blocks, block_size,
@@ -31,7 +37,7 @@ from pagedrun.attention.cuda import kernels as K
 from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.sdpa_prefill import PrefillSeq, attend_prefills, prefill_seqs
 
-PREFILL_MODES = ("sdpa", "kernel")
+PREFILL_MODES = ("varlen", "sdpa", "kernel")
 Wrap = Callable[[torch.Tensor], Any]  # torch tensor -> device array sharing its memory
 
 
@@ -47,6 +53,22 @@ class PagedStep:
     block_tables_t: torch.Tensor  # the step's block tables on the device (SDPA's prefix gathers)
     # torch tensors behind the device arrays: they must outlive every layer's launches
     keep: list[torch.Tensor] = field(default_factory=list)
+    # "varlen": the prefilling sequences' (index, first token, queries, context), their longest
+    # seq_len, the step's block tables as a device array, and the tile arrays by tile size
+    # (device array, made by the first layer that launches: the size is the kernel variant's)
+    varlen: np.ndarray | None = None
+    varlen_max_seq_len: int = 0
+    tables: Any = None
+    tiles: dict[int, Any] = field(default_factory=dict)
+
+    def tiles_for(self, tile_q: int, wrap: Wrap) -> Any:
+        """The step's prefill tiles of tile_q queries as a device array (built once per step and size)."""
+        arr = self.tiles.get(tile_q)
+        if arr is None:
+            t = torch.from_numpy(prefill_tiles(self.varlen, tile_q)).to(self.block_tables_t.device)
+            self.keep.append(t)
+            arr = self.tiles[tile_q] = wrap(t)
+        return arr
 
 
 def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: str) -> PagedStep:
@@ -61,7 +83,7 @@ def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: st
     if meta.is_decode_only and num_real == meta.num_seqs:
         bt, lens = tables, torch.tensor(slens, dtype=torch.int32).to(device)
         max_seq_len = max(slens)
-    elif prefill == "sdpa":
+    elif prefill in ("sdpa", "varlen"):
         prefills = prefill_seqs(qlens, slens)
         starts = [0]
         for n in qlens:
@@ -78,8 +100,14 @@ def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: st
         lens = torch.from_numpy(seq_lens).to(device)
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
     num_rows = int(lens.shape[0])
-    return PagedStep(wrap(slot), num_rows, row_tokens, wrap(bt), wrap(lens), max_seq_len, prefills, tables,
+    step = PagedStep(wrap(slot), num_rows, row_tokens, wrap(bt), wrap(lens), max_seq_len, prefills, tables,
                      keep=[slot, tables, bt, lens])
+    if prefill == "varlen" and prefills:  # the prefills go to the varlen kernel instead of SDPA
+        step.varlen = np.array([(p.index, p.start, p.num_tokens, p.context_len) for p in prefills], dtype=np.int64)
+        step.varlen_max_seq_len = max(p.seq_len for p in prefills)
+        step.tables = wrap(tables)
+        step.prefills = []
+    return step
 
 
 def _key(owner: str, device: torch.device, prefill: str) -> tuple:
@@ -144,7 +172,8 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
             cache_views: tuple[Any, Any] | None = None, *, window: int = 0,
             softcap: float = 0.0, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """reshape_and_cache for every token, then paged attention for the kernel rows and SDPA for the
+    """reshape_and_cache for every token, then paged attention for the kernel rows, and the varlen
+    prefill kernel ("varlen": one launch for every prefilling sequence) or SDPA ("sdpa") for the
     prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors.
     cache_views: the caches already wrapped (a backend may keep them: they live as long as it).
     window / softcap / sinks: the layer's sliding window, logit cap and attention sinks (0 / None:
@@ -171,6 +200,14 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
                                       sinks=None if sinks is None else wrap(sink_tensor(sinks, query)))
         if step.row_tokens is not None:
             out.index_copy_(0, step.row_tokens, o)
+    if step.varlen is not None:
+        assert not ker.variant.quantized, "quantized caches take the kernel prefill path (prefill_mode)"
+        v = ker.variant
+        group = v.launch_group(int(query.shape[1]), int(key_cache.shape[2]))
+        ker.prefill_attention(wrap(out), wrap(heads_packed(query)), kc, vc, step.tables,
+                              step.tiles_for(v.prefill_tile_q(group), wrap), step.varlen_max_seq_len, float(scale),
+                              group, window=window, softcap=softcap,
+                              sinks=None if sinks is None else wrap(sink_tensor(sinks, query)))
     if step.prefills:
         assert not ker.variant.quantized, "quantized caches take the kernel prefill path (prefill_mode)"
         attend_prefills(out, query, key, value, key_cache, value_cache, step.block_tables_t, step.prefills,
@@ -210,6 +247,22 @@ def launch_each_version(ker: K.PagedKernels, wrap: Wrap, key_cache, value_cache,
     groups = dict.fromkeys((1, ker.variant.group))  # the grid of one query picks one head per block
     return [ker.paged_attention(wrap(o), wrap(q), wrap(key_cache), wrap(value_cache), wrap(table), wrap(lens), 1,
                                 1.0, version=v, alloc=alloc, group=g) for v in ("v1", "v2") for g in groups]
+
+
+def prefill_tiles(seqs: np.ndarray, tile_q: int) -> np.ndarray:
+    """The varlen prefill kernel's tiles: seqs [n, 4] int rows (block-table row, first token, queries,
+    context length) -> int32 [num_tiles, 4] rows (block-table row, first token, queries <= tile_q,
+    the first query's position), tile_q consecutive queries of one sequence each (the last one of a
+    sequence the rest). Ordered by their last position, highest first: a tile costs its keys, so the
+    long ones start first and the short ones fill in behind them."""
+    seqs = np.asarray(seqs, dtype=np.int64).reshape(-1, 4)
+    per_seq = -(-seqs[:, 2] // tile_q)
+    which = np.repeat(np.arange(len(seqs)), per_seq)
+    j0 = (np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * tile_q
+    rows, start, n, ctx = (seqs[which, k] for k in range(4))
+    tiles = np.stack([rows, start + j0, np.minimum(n - j0, tile_q), ctx + j0], axis=1)
+    order = np.argsort(-(tiles[:, 3] + tiles[:, 2]), kind="stable")
+    return np.ascontiguousarray(tiles[order], dtype=np.int32)
 
 
 def pseudo_sequences(query_lens: list[int], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,15 @@ MAX_GROUP = 8
 # are fp32 accumulators (nvcc 13, sm_90: 120-128 registers at 4, 211-255 at 8).
 MAX_QUANTIZED_GROUP = 4
 
+# The varlen prefill kernel (kernels/cuda/prefill_attention.cu): a thread block serves up to
+# PREFILL_ROWS (query, head) rows of one KV head, TILE_Q = PREFILL_ROWS // group queries of one sequence
+# times the group's heads, and loads each key / value row once for all of them. 16 rows past head 128:
+# a tile's q, one 32-key chunk of K and V and the weights in fp32 shared memory stay under 85 KB, and
+# the 128 threads' accumulators at 32 floats each (ROWS * HEAD_SIZE / 128).
+PREFILL_ROWS = 32
+PREFILL_ROWS_LARGE_HEAD = 16
+PREFILL_CHUNK = 32  # keys per step of its key loop (a warp's lanes)
+
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 # dtype name -> (C type in the kernel, numpy dtype of the arrays handed to it)
@@ -110,6 +119,15 @@ class KernelVariant:
         """The grouped kernel's group where it divides the query heads per KV head, else 1."""
         return self.group if self.group > 1 and (num_heads // num_kv_heads) % self.group == 0 else 1
 
+    def prefill_tile_q(self, group: int = 1) -> int:
+        """Queries per tile of the varlen prefill kernel serving `group` query heads per block."""
+        return prefill_tile_q(self.head_size, group)
+
+    def prefill_name(self, group: int = 1) -> str:
+        """The varlen prefill kernel (unquantized caches only: a quantized one prefills as "kernel")."""
+        return (f"paged_prefill_kernel<{self.ctype}, {self.head_size}, {self.block_size}, {NUM_THREADS}, "
+                f"{self.prefill_tile_q(group)}, {group}>")
+
     @property
     def reduce_name(self) -> str:  # reads only fp32 partials: one per model dtype, whatever the cache
         return f"paged_attention_v2_reduce_kernel<{self.ctype}, {self.head_size}, {NUM_THREADS}, {PARTITION_SIZE}>"
@@ -118,8 +136,9 @@ class KernelVariant:
     def reshape_and_cache_name(self) -> str:
         return f"reshape_and_cache_kernel<{self.ctype}{self._kv_arg}>"
 
-    def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache")) -> list[str]:
-        """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops)."""
+    def name_expressions(self, parts: tuple[str, ...] = ("v1", "v2", "cache", "prefill")) -> list[str]:
+        """Kernel names to instantiate; parts: "v1", "v2" (v2 + reduce), "cache" (cache ops), "prefill"
+        (the varlen prefill kernel, unquantized variants only)."""
         names = []
         groups = (1, self.group) if self.group > 1 else (1,)
         if "v1" in parts:
@@ -128,7 +147,14 @@ class KernelVariant:
             names += [self.attention_name("v2", g) for g in groups] + [self.reduce_name]
         if "cache" in parts:
             names.append(self.reshape_and_cache_name)
+        if "prefill" in parts and not self.quantized:
+            names += [self.prefill_name(g) for g in groups]
         return names
+
+
+def prefill_tile_q(head_size: int, group: int = 1) -> int:
+    rows = PREFILL_ROWS if head_size <= 128 else PREFILL_ROWS_LARGE_HEAD
+    return max(1, rows // group)
 
 
 def group_for(num_heads: int, num_kv_heads: int, kv_dtype: str = "auto") -> int:

@@ -66,3 +66,38 @@ def test_gpu_path_sdpa_prefill_with_emulated_decode_kernels_equals_hf(tmp_path):
     assert out == ref
     assert llm.engine.worker.backend.last_version == "v1"  # decodes went through the kernels
     assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16
+
+
+@pytest.mark.slow
+def test_varlen_prefill_kernel_in_the_engine_equals_torch_backend(tmp_path, monkeypatch):
+    """The CuPy backend's default path (prefill="varlen": one prefill kernel launch per layer for every
+    prefilling sequence, decode through the paged kernels) run on the CPU: greedy tokens equal the
+    torch backend's, over fresh prompts, a prefix-cache hit and chunked prefills (a context that ends
+    inside a cache block), with GQA groups of 3 (SmolLM2's 9 / 3 heads)."""
+    from pagedrun.attention.cuda import kernels as K
+    from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend
+
+    launched = []  # (tiles, queries behind a cached context) of every prefill launch
+    real = K.PagedKernels.prefill_attention
+
+    def spy(self, out, query, kc, vc, tables, tiles, *args, **kw):
+        launched.append((len(tiles), int(((tiles[:, 3] > 0) * tiles[:, 2]).sum())))
+        return real(self, out, query, kc, vc, tables, tiles, *args, **kw)
+
+    monkeypatch.setattr(K.PagedKernels, "prefill_attention", spy)
+    d = make_tiny_model("llama", tmp_path / "m", seed=7, hidden_size=288, num_attention_heads=9,
+                        num_key_value_heads=3, num_hidden_layers=2)  # head_dim 32
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 640) for _ in range(n)] for n in (1, 12, 27, 45)]
+    prompts.append(prompts[3][:24] + [11, 12, 13])  # a prefix-cache hit of 3 blocks
+    sets = [f"model.path={d}", "cache.block_size=8", "cache.num_blocks=64", "sampling.max_tokens=6",
+            "sampling.ignore_eos=true", "scheduler.max_num_batched_tokens=24"]
+    torch_out = LLM(load_recipe(None, sets + ["model.attention_backend=torch"])).generate(prompts)
+    llm = LLM(load_recipe(None, sets + ["model.attention_backend=emulated"]))
+    backend = EmulatedAttentionBackend(prefill="varlen")
+    llm.engine.worker.backend = llm.engine.worker.runner.backend = backend
+    out = llm.generate(prompts)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in torch_out]
+    assert sum(s.prefix_hit_tokens for s in llm.engine.steps) >= 16
+    assert backend.last_version == "v1"  # decodes went through the decode kernels
+    assert launched and sum(n for _, n in launched) > 0  # prefills behind a cached prefix / earlier chunk

@@ -74,7 +74,7 @@ def quantized_variants(kv: str) -> list[K.KernelVariant]:
 
 def instantiation_source(names: list[str]) -> str:
     """Taking each kernel's address instantiates it, so nvcc emits exactly these entry points."""
-    lines = [f'#include "{K.KERNEL_DIR / K.ATTENTION_SOURCE}"', f'#include "{K.KERNEL_DIR / K.CACHE_OPS_SOURCE}"']
+    lines = [f'#include "{K.KERNEL_DIR / f}"' for f in (K.ATTENTION_SOURCE, K.CACHE_OPS_SOURCE, K.PREFILL_SOURCE)]
     lines.append("void* pagedrun_instances[] = {")
     lines += [f"    (void*)&{n}," for n in names]
     lines.append("};")
@@ -361,3 +361,49 @@ def test_host_packs_window_and_softcap_with_the_kernels_types(version):
         assert grid[2] == K.num_partitions(600, 520) == 2  # the window's keys touch two partitions
         rname, _, rargs = rec.launches[1]
         assert rname == v.reduce_name and type(rargs[-2]) is np.int32 and rargs[-2] == 520 and rargs[-1] is sinks
+
+
+PREFILL_VARIANTS = [K.KernelVariant("float16", 64, 16, "auto", 3), K.KernelVariant("bfloat16", 256, 32, "auto", 8),
+                    K.KernelVariant("float32", 80, 8)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.slow
+def test_nvrtc_prefill_kernel(arch):
+    """The varlen prefill kernel through NVRTC, one head per block and grouped, each dtype, the largest
+    head size (16-row tiles) and a head size that is no power of two: no error, no warning, and the
+    launch arguments as the host packs them (out, q, caches, int, float, tables, tiles, then int
+    max_num_blocks_per_seq, q_stride, window, float softcap, const float* sinks). Every variant's
+    prefill kernel is in test_nvrtc_gate / test_nvcc_gate (name_expressions() names it)."""
+    includes = _nvrtc_or_skip()
+    names = list(dict.fromkeys(n for v in PREFILL_VARIANTS for n in v.name_expressions(("prefill",))))
+    assert len(names) == 5
+    out = nvrtc.compile_program(K.full_source(), names, arch, includes)
+    assert set(out.lowered) == set(names) and len(set(out.lowered.values())) == len(names)
+    assert "warning" not in out.log.lower(), out.log
+    for name, sym in out.lowered.items():
+        assert re.search(r"ifPKiS\w*_iiifPKf$", sym), f"{name}: {sym}"
+
+
+def test_host_packs_the_prefill_arguments_with_the_kernels_types():
+    import numpy as np
+
+    v = PREFILL_VARIANTS[0]
+    rec = _Recorder()
+    ker = K.PagedKernels(v, rec, np)
+    ker.max_grid_y = 2  # tiles sit on gridDim.y: 3 tiles go as two launches
+    q = np.zeros((25, 9, 64), np.float16)
+    cache = np.zeros((8, 16, 3, 64), np.float16)
+    tables = np.arange(8, dtype=np.int32).reshape(2, 4)
+    tiles = np.array([[0, 0, 10, 30], [0, 10, 10, 40], [1, 20, 5, 0]], np.int32)
+    sinks = np.zeros(9, np.float32)
+    assert ker.prefill_attention(q.copy(), q, cache, cache, tables, tiles, 50, 0.125, window=20, softcap=5.0,
+                                 sinks=sinks) == 3
+    assert [(n, g) for n, g, _ in rec.launches] == [(v.prefill_name(3), (3, 2, 1)), (v.prefill_name(3), (3, 1, 1))]
+    args = rec.launches[1][2]
+    assert [type(a) for a in (args[4], args[5], args[8], args[9], args[10], args[11])] == \
+        [np.int32, np.float32, np.int32, np.int32, np.int32, np.float32]
+    assert args[4] == 3 and args[8] == 4 and args[9] == 9 * 64 and args[10] == 20 and args[11] == 5.0
+    assert np.array_equal(args[7], tiles[2:]) and args[12] is sinks
+    ker.prefill_attention(q.copy(), q, cache, cache, tables, tiles, 50, 0.125, window=50)
+    assert rec.launches[-1][2][10] == 0  # a window no query reaches is no window

@@ -232,6 +232,7 @@ def module_names(dtype: str) -> list[str]:
     v1 = dict.fromkeys(head_sweep(dtype) + block_sweep(dtype) + v2_variants(dtype))
     names = [n for v in v1 for n in v.name_expressions(("v1",))]
     names += [n for v in v2_variants(dtype) + grouped_variants(dtype) for n in v.name_expressions(("v1", "v2"))]
+    names += [n for v in grouped_variants(dtype) for n in v.name_expressions(("prefill",))]  # the backends' varlen
     names += v2_variants(dtype)[0].name_expressions(("cache",))
     return list(dict.fromkeys(names))
 
