@@ -48,6 +48,23 @@ def covering_variants() -> list[K.KernelVariant]:
     return list(dict.fromkeys(out))
 
 
+# The gates compile the decode kernels of every variant they cover, and the varlen prefill kernel for
+# prefill_covering's (its registers and shared memory follow head size and group; every variant's
+# prefill kernel doubled the gates' time, ~4 more minutes of CI). PAGEDRUN_FULL_KERNEL_GATE=1: all.
+DECODE_PARTS = ("v1", "v2", "cache")
+GATE_PARTS = DECODE_PARTS + ("prefill",) if FULL else DECODE_PARTS
+
+
+def prefill_covering(dtype: str) -> list[str]:
+    """Prefill kernel names: each head size once (block size and group rotating: 1, 4, 8, each with
+    its one-head form), and each block size at head 128 with group 8."""
+    di = list(K.DTYPES).index(dtype)
+    vs = [K.KernelVariant(dtype, h, K.BLOCK_SIZES[(i + di) % 3], "auto", (1, 4, 8)[(i + di) % 3])
+          for i, h in enumerate(K.HEAD_SIZES)]
+    vs += [K.KernelVariant(dtype, 128, b, "auto", K.MAX_GROUP) for b in K.BLOCK_SIZES]
+    return list(dict.fromkeys(n for v in vs for n in v.name_expressions(("prefill",))))
+
+
 def grouped_covering(dtype: str) -> list[K.KernelVariant]:
     di = list(K.DTYPES).index(dtype)
     out = [K.KernelVariant(dtype, h, K.BLOCK_SIZES[(i + di) % 3], "auto", 2 + (i + di) % (K.MAX_GROUP - 1))
@@ -218,7 +235,8 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     groups = []
     for d in K.DTYPES:
         vs = [v for v in variants if v.dtype == d] + grouped_covering(d)
-        groups.append(list(dict.fromkeys(n for v in vs for n in v.name_expressions())))
+        groups.append(list(dict.fromkeys([n for v in vs for n in v.name_expressions(GATE_PARTS)]
+                                         + prefill_covering(d))))
     for kv in K.QUANTIZED_KV_DTYPES:  # one more nvcc per quantized KV dtype
         groups.append(list(dict.fromkeys(n for v in quantized_variants(kv) for n in v.name_expressions())))
     rows = parse_ptxas(run_nvcc(arch, groups, tmp_path))
@@ -263,7 +281,8 @@ def test_nvrtc_gate(dtype, arch, capsys):
     program, as cupy.RawModule would compile it: no error, no warning, every name lowered."""
     includes = _nvrtc_or_skip()
     variants = [v for v in K.all_variants() if v.dtype == dtype] + grouped_covering(dtype)
-    names = list(dict.fromkeys(n for v in variants for n in v.name_expressions()))
+    names = list(dict.fromkeys([n for v in variants for n in v.name_expressions(GATE_PARTS)]
+                               + prefill_covering(dtype)))
     try:
         out = nvrtc.compile_program(K.full_source(), names, arch, includes)
     except nvrtc.NvrtcError as e:
@@ -374,7 +393,7 @@ def test_nvrtc_prefill_kernel(arch):
     head size (16-row tiles) and a head size that is no power of two: no error, no warning, and the
     launch arguments as the host packs them (out, q, caches, int, float, tables, tiles, then int
     max_num_blocks_per_seq, q_stride, window, float softcap, const float* sinks). Every variant's
-    prefill kernel is in test_nvrtc_gate / test_nvcc_gate (name_expressions() names it)."""
+    prefill kernel is in the gates with PAGEDRUN_FULL_KERNEL_GATE=1, a covering set otherwise."""
     includes = _nvrtc_or_skip()
     names = list(dict.fromkeys(n for v in PREFILL_VARIANTS for n in v.name_expressions(("prefill",))))
     assert len(names) == 5
