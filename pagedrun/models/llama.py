@@ -109,6 +109,18 @@ class RMSNorm(DirectCall, nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+def fused_rope_and_cache(backend, rotary, positions, q, k, v, key_cache, value_cache, meta, kv_scales) -> bool:
+    """RoPE and the K/V cache write as one launch where the backend lets the model write the cache
+    (written_slots: the CuPy kernels, unquantized caches) and the fused kernels run (CUDA): q and k
+    rotated in place, k and v in the cache; the backend then only attends. False: nothing done."""
+    written_slots = getattr(backend, "written_slots", None)
+    rope_and_cache = getattr(rotary, "rope_and_cache", None)
+    if written_slots is None or rope_and_cache is None or kv_scales or not (q.is_cuda or ops.fused_on_cpu()):
+        return False
+    slots = written_slots(meta, key_cache, q)
+    return slots is not None and rope_and_cache(positions, q, k, v, key_cache, value_cache, slots)
+
+
 class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
@@ -148,11 +160,15 @@ class LlamaAttention(DirectCall, nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
         # (key_cache, value_cache), and with a quantized cache its (k_scale, v_scale) after them.
         key_cache, value_cache, *kv_scales = kv_cache
-        out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales, window=self.window,
-                              softcap=self.softcap, sinks=self.sinks)
+        if fused_rope_and_cache(backend, rotary, positions, q, k, v, key_cache, value_cache, meta, kv_scales):
+            out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, window=self.window,
+                                  softcap=self.softcap, sinks=self.sinks, cache_written=True)
+        else:
+            q, k = rotary(positions, q, k)
+            out = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale, *kv_scales,
+                                  window=self.window, softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -132,6 +132,11 @@ def _fused_for(t: torch.Tensor) -> cuda_ops.FusedOps | None:
     return cuda_ops.for_device(t.device) if t.is_cuda else _fused_on_cpu
 
 
+def fused_on_cpu() -> bool:
+    """Whether CPU tensors take the emulated fused kernels now (tests: fused_ops_on_cpu)."""
+    return _fused_on_cpu is not None
+
+
 @contextmanager
 def fused_ops_on_cpu(fused: cuda_ops.FusedOps):
     """CPU tensors through `fused` (cuda_ops.emulated(): the CUDA kernels under the emulator) in the
@@ -338,6 +343,19 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     # HF: cat([rotate(x[..., :rotary_dim]), x[..., rotary_dim:]])
     return (torch.cat((_rotate(q[..., :rotary_dim], c, s), q[..., rotary_dim:]), dim=-1),
             torch.cat((_rotate(k[..., :rotary_dim], c, s), k[..., rotary_dim:]), dim=-1))
+
+
+def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> bool:
+    """rope (q and k rotated in place) and k, v written into the paged caches at slot_mapping, in one
+    fused launch (models/cuda_ops.py: CUDA tensors, or the emulator under fused_ops_on_cpu). False:
+    not taken, nothing written; the caller rotates with rope() and lets the backend write the cache."""
+    if not _enabled or not (q.is_cuda or _fused_on_cpu is not None):
+        return False
+    fused = _fused_for(q)
+    return fused is not None and fused.rope_and_cache(positions, q, k, v, cos, sin, key_cache, value_cache,
+                                                      slot_mapping)
 
 
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,

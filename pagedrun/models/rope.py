@@ -117,3 +117,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.rope(positions, q, k, self.cos, self.sin, self.step_rows)
+
+    def rope_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """q, k rotated in place and k, v written to the caches in one launch where the fused kernels
+        run (ops.rope_and_cache); False: nothing done."""
+        return ops.rope_and_cache(positions, q, k, v, self.cos, self.sin, key_cache, value_cache, slot_mapping)

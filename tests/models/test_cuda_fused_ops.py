@@ -10,6 +10,7 @@ The planted bugs (MUTATIONS) show the checks catch a wrong kernel; NVRTC compile
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -552,3 +553,49 @@ def test_greedy_tokens_equal_the_torch_path(fused, tiny_model, family, dtype, mo
     for g_seq, w_seq in zip(got_logits, want_logits):
         for g, w in zip(g_seq, w_seq):
             _close(g, w, 1e-4 if dtype is torch.float32 else 8 * ULP[dtype], "logits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prefill", ["varlen", "kernel"])
+def test_rope_and_cache_through_the_paged_kernels(fused, tmp_path_factory, dtype, prefill, monkeypatch):
+    """The model writes each layer's K/V with its RoPE in one launch (LlamaAttention through
+    backend.written_slots and ops.rope_and_cache) and the paged kernels only attend: greedy tokens
+    equal those of the separate rope + reshape_and_cache launches, on the emulated CUDA kernels,
+    over prefill, chunked prefill, static-buffer decode steps with padding, and preemption."""
+    from pagedrun.attention.cuda import kernels as K
+    from pagedrun.config.recipe import load_recipe
+    from pagedrun.llm import LLM
+
+    from tiny_models import make_tiny_model
+
+    d = make_tiny_model("llama", tmp_path_factory.mktemp("rc") / "m", seed=5, hidden_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2)  # head 32: a compiled head size
+    prompts = [[(7 * i + 3 * j) % 600 + 2 for j in range(n)] for i, n in enumerate((9, 4, 1, 20, 13))]
+
+    def run(fuse: bool):
+        llm = LLM(load_recipe(None, [f"model.path={d}", f"model.dtype={dtype}", "model.attention_backend=emulated",
+                                     "cache.block_size=8", "cache.num_blocks=5", "scheduler.max_num_seqs=3",
+                                     "scheduler.max_num_batched_tokens=16", "sampling.max_tokens=7",
+                                     "sampling.ignore_eos=true"]))
+        llm.engine.worker.backend.prefill = prefill
+        cache_writes = []
+        real = K.PagedKernels.reshape_and_cache
+        monkeypatch.setattr(K.PagedKernels, "reshape_and_cache",
+                            lambda self, *a, **k: cache_writes.append(1) or real(self, *a, **k))
+        with ops.fused_ops_on_cpu(fused) if fuse else contextlib.nullcontext():
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)]
+        monkeypatch.setattr(K.PagedKernels, "reshape_and_cache", real)
+        return out, len(cache_writes), sum(s.preempted_recompute for s in llm.engine.steps)
+
+    launched: list[str] = []
+    launch = fused._launch
+    monkeypatch.setattr(fused, "_launch", lambda name, *a: launched.append(name) or launch(name, *a))
+    want, writes, _ = run(False)
+    assert writes > 0 and not launched
+    got, writes, preempted = run(True)
+    assert got == want
+    assert writes == 0, "the backend wrote the cache although the model did"
+    assert launched.count(C.rope_name(getattr(torch, dtype), True)) > 0
+    assert C.rope_name(getattr(torch, dtype), False) not in launched  # every layer's rope went with its write
+    assert preempted > 0

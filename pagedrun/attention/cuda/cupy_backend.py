@@ -197,6 +197,7 @@ class CupyAttentionBackend:
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        cache_written: bool = False,
     ) -> torch.Tensor:
         if key_cache.device.type != "cuda":
             raise ValueError(f"cupy backend: KV caches must be CUDA tensors, got {key_cache.device}")
@@ -213,10 +214,20 @@ class CupyAttentionBackend:
                                               meta, scale, alloc=torch_alloc(device), k_scales=ks, v_scales=vs,
                                               cache_views=(self._cache_view(key_cache),
                                                            self._cache_view(value_cache)),
-                                              window=window, softcap=softcap, sinks=sinks)
+                                              window=window, softcap=softcap, sinks=sinks,
+                                              cache_written=cache_written)
         if version != "none":
             self.last_version = version
         return out
+
+    def written_slots(self, meta: AttentionMetadata, key_cache: torch.Tensor, query: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """The step's slot mapping for a model that writes this layer's K/V with its RoPE (one fused
+        launch) and then calls forward(..., cache_written=True); None: forward must write them."""
+        self._model_dtype, self._num_heads = query.dtype, int(query.shape[1])
+        ker = self.kernels(key_cache, query.dtype)
+        with self._stream(key_cache.device):
+            return paged_step.written_slots(ker, meta, key_cache.device, as_cupy, self.prefill, self.name)
 
     def load_decode_kernels(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
         """Both decode kernels launched once, so that the memory profile counts their code

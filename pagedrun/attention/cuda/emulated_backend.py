@@ -61,6 +61,13 @@ class EmulatedAttentionBackend:
             model_dtype = cache.dtype if self.kv_cache_dtype == "auto" else self._model_dtype or torch.float32
         return self._kernels(paged_step.kv_variant(model_dtype, cache, self.kv_cache_dtype, self._num_heads))
 
+    def written_slots(self, meta: AttentionMetadata, key_cache: torch.Tensor, query: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """As the CuPy backend's: the step's slot mapping for a fused RoPE + cache write."""
+        self._model_dtype, self._num_heads = query.dtype, int(query.shape[1])
+        ker = self.kernels(key_cache, query.dtype)
+        return paged_step.written_slots(ker, meta, key_cache.device, as_numpy, self.prefill, self.name)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -76,6 +83,7 @@ class EmulatedAttentionBackend:
         window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        cache_written: bool = False,
     ) -> torch.Tensor:
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("emulated backend: KV caches must be contiguous (they are written in place)")
@@ -89,7 +97,7 @@ class EmulatedAttentionBackend:
         step = paged_step.cached(meta, key_cache.device, as_numpy, prefill, self.name)
         out, version = paged_step.forward(ker, step, as_numpy, query, key, value, key_cache, value_cache, meta, scale,
                                           k_scales=ks, v_scales=vs, window=window, softcap=softcap,
-                                          sinks=sinks)
+                                          sinks=sinks, cache_written=cache_written)
         if version != "none":
             self.last_version = version
         return out

@@ -53,6 +53,9 @@ class PagedStep:
     block_tables_t: torch.Tensor  # the step's block tables on the device (SDPA's prefix gathers)
     # torch tensors behind the device arrays: they must outlive every layer's launches
     keep: list[torch.Tensor] = field(default_factory=list)
+    # the slot mapping as a torch tensor on the device: what a fused RoPE + cache write takes
+    # (written_slots below)
+    slots: torch.Tensor | None = None
     # "varlen": the prefilling sequences' (index, first token, queries, context), their longest
     # seq_len, the step's block tables as a device array, and the tile arrays by tile size
     # (device array, made by the first layer that launches: the size is the kernel variant's)
@@ -101,7 +104,7 @@ def build(meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: st
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
     num_rows = int(lens.shape[0])
     step = PagedStep(wrap(slot), num_rows, row_tokens, wrap(bt), wrap(lens), max_seq_len, prefills, tables,
-                     keep=[slot, tables, bt, lens])
+                     keep=[slot, tables, bt, lens], slots=slot)
     if prefill == "varlen" and prefills:  # the prefills go to the varlen kernel instead of SDPA
         step.varlen = np.array([(p.index, p.start, p.num_tokens, p.context_len) for p in prefills], dtype=np.int64)
         step.varlen_max_seq_len = max(p.seq_len for p in prefills)
@@ -130,10 +133,21 @@ def seed_static(meta: AttentionMetadata, device: torch.device, wrap: Wrap, owner
     nothing read from the host. Built once per bucket; CUDA graphs replay its launches."""
     slot, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
     step = PagedStep(wrap(slot), int(lens.shape[0]), None, wrap(tables), wrap(lens), meta.max_seq_len, [], tables,
-                     keep=[slot, tables, lens])
+                     keep=[slot, tables, lens], slots=slot)
     for mode in PREFILL_MODES:
         meta.backend_state[_key(owner, device, mode)] = step
     return step
+
+
+def written_slots(ker: K.PagedKernels, meta: AttentionMetadata, device: torch.device, wrap: Wrap, prefill: str,
+                  owner: str) -> torch.Tensor | None:
+    """The step's slot mapping (int64 torch tensor on the device) for a caller that writes this
+    layer's K/V itself (the fused RoPE + cache write: models/ops.rope_and_cache) and then calls
+    forward with cache_written=True; None where the backend must write them (a quantized cache:
+    codes and scales are reshape_and_cache's)."""
+    if ker.variant.quantized:
+        return None
+    return cached(meta, device, wrap, prefill_mode(prefill, ker.variant), owner).slots
 
 
 def kv_variant(model_dtype: torch.dtype, key_cache: torch.Tensor, kv_cache_dtype: str,
@@ -171,8 +185,10 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
             meta: AttentionMetadata, scale: float, alloc: K.Alloc | None = None,
             k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
             cache_views: tuple[Any, Any] | None = None, *, window: int = 0,
-            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """reshape_and_cache for every token, then paged attention for the kernel rows, and the varlen
+            softcap: float = 0.0, sinks: torch.Tensor | None = None,
+            cache_written: bool = False) -> tuple[torch.Tensor, str]:
+    """reshape_and_cache for every token (unless cache_written: the model's fused RoPE + cache write
+    did it, through written_slots), then paged attention for the kernel rows, and the varlen
     prefill kernel ("varlen": one launch for every prefilling sequence) or SDPA ("sdpa") for the
     prefills. Returns (out, the kernel version launched or "none"). k/v_scales: from scale_tensors.
     cache_views: the caches already wrapped (a backend may keep them: they live as long as it).
@@ -183,7 +199,8 @@ def forward(ker: K.PagedKernels, step: PagedStep, wrap: Wrap, query, key, value,
     kc, vc = cache_views or (wrap(key_cache), wrap(value_cache))
     ks = None if k_scales is None else wrap(k_scales)
     vs = None if v_scales is None else wrap(v_scales)
-    ker.reshape_and_cache(wrap(heads_packed(key)), wrap(heads_packed(value)), kc, vc, step.slot_mapping, ks, vs)
+    if not cache_written:
+        ker.reshape_and_cache(wrap(heads_packed(key)), wrap(heads_packed(value)), kc, vc, step.slot_mapping, ks, vs)
     # Rows no kernel writes (padding) stay 0; when the kernel rows are every token, none is left.
     every_row = step.row_tokens is None and step.num_rows == query.shape[0] and not step.prefills
     out = (torch.empty_like if every_row else torch.zeros_like)(query, memory_format=torch.contiguous_format)
