@@ -102,7 +102,7 @@ def _run_pagedrun(spec: dict, requests: list[BenchRequest]) -> dict:
     return {
         "wall_s": wall, "load_s": load_s,
         "outputs": [o.outputs[0].token_ids for o in results],
-        "executed_tokens": sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps),
+        "executed_tokens": steps.total("num_prefill_tokens") + steps.total("num_decode_tokens"),
         "prefix_hit_tokens": report["prefix_cache"]["hit_tokens"],
         "prefix_hit_tokens_kind": "measured: prompt tokens served from the prefix cache",
         "kv_capacity_tokens": m.token_capacity,

@@ -55,7 +55,10 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.generators: dict[int, object] = {}  # seq_id -> the worker's seeded stream
         self.structured: StructuredOutputManager | None = None  # built by the first constrained request
-        self.steps = StepLog()  # a StepRecord per step, stored by column
+        # The steps' sums, maxima, last few and a thinned timeline: bounded at any length. Its own
+        # counter numbers the steps (a Ray replica takes the log away after each batch).
+        self.steps = StepLog()
+        self.num_steps = 0
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
         self._bad_words_cache: dict[tuple, tuple] = {}
@@ -353,8 +356,9 @@ class LLMEngine:
         delta = {k: stats[k] - self._last_stats[k] for k in stats}
         self._last_stats = stats
         sch = self.scheduler
+        self.num_steps += 1
         self.steps.append(StepRecord(
-            step=len(self.steps),
+            step=self.num_steps - 1,
             t_start=t_start - self.t0,
             t_end=time.perf_counter() - self.t0,
             num_prefill_tokens=out.num_prefill_tokens,

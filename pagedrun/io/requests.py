@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedrun.errors import PagedrunError, clip, echo, echo_json
 from pagedrun.io import openai_batch
+from pagedrun.io.id_table import IdTable, request_key
 from pagedrun.io.input_files import read_input
 from pagedrun.io.openai_batch import BatchJob, BatchLine, BatchLineError
 from pagedrun.io.tokenize import (
@@ -142,7 +143,9 @@ class LineChecker:
         self.batch_job, self.unique_ids = batch_job, unique_ids
         self.format: str | None = None
         self.format_line = 0
-        self.first_line_of_id: dict[str, int] = {}
+        # Each id seen -> the line that first used it: 16 bytes and a number per line, no object
+        # (io/id_table.py; a dict of the ids took ~150 bytes a line).
+        self.first_line_of_id = IdTable(columns=1)
         self.other_models: dict[str, int] = {}  # a batch body's model other than the recipe's -> first line
         self.deprecated: dict[str, int] = {}  # a legacy field used (guided_json, ...) -> its first line
         self._merged: dict[Any, SamplingParams] = {}  # overrides (a tuple or JSON) -> their checked params
@@ -175,10 +178,12 @@ class LineChecker:
             shown = custom_id if fmt == OPENAI else rid
             if not self.unique_ids:
                 return spec
-            if spec.id in self.first_line_of_id:
+            ids = self.first_line_of_id
+            e = ids.find(request_key(spec.id))
+            if e >= 0:
                 raise LineError(id_field, f"duplicate {id_field} {echo(shown)} "
-                                          f"(first used on line {self.first_line_of_id[spec.id]})")
-            self.first_line_of_id[spec.id] = lineno
+                                          f"(first used on line {ids.values[0][e]})")
+            ids.values[0][ids.add(request_key(spec.id))] = lineno
             return spec
         except FormatRefused:
             raise
@@ -190,7 +195,9 @@ class LineChecker:
         except RecursionError:  # a value nested deeper than any check can walk: this line's problem alone
             message = f"{self.name}:{lineno}: nested too deeply to check (a schema or value hundreds of levels deep)"
         if self.format == JSONL and self.unique_ids:
-            self.first_line_of_id.setdefault(rid, lineno)  # a later line may not reuse an error record's id
+            e = self.first_line_of_id.add(request_key(rid))  # a later line may not reuse an error record's id
+            if not self.first_line_of_id.values[0][e]:
+                self.first_line_of_id.values[0][e] = lineno
         elif self.format == OPENAI:  # e.g. a pagedrun line in a batch file: its own kind of id
             rid = self.batch_job.error_line_id(lineno)
         raise LineFailure(InvalidRequest(id=rid, line=lineno, error=message, custom_id=custom_id))

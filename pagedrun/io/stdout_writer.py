@@ -8,7 +8,7 @@ write of a whole record, so a reader never sees half of one. If the reader goes 
 the job stops at once with an error: there is nowhere left to put what it would compute.
 
 StdoutWriter has the OutputWriter methods the job calls (io/writer.py); it keeps only the keys
-written, to answer "already written?" and to count.
+written (16 bytes each in an IdTable, io/id_table.py), to answer "already written?" and to count.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
-from pagedrun.io.writer import Key, _encode, is_error_record, record_key
+from pagedrun.io.id_table import IdTable, MarkedKeys
+from pagedrun.io.writer import FAILED, Key, _encode, is_error_record, record_key
 
 STDOUT = Path("-")
 
@@ -33,8 +34,8 @@ class StdoutWriter:
     def __init__(self, fd: int = 1) -> None:
         self.path = STDOUT
         self.fd = fd
-        self.done: set[Key] = set()
-        self.failed: set[Key] = set()
+        self.done = IdTable()
+        self.failed = MarkedKeys(self.done, FAILED)
         self.written = 0
         self.written_errors = 0
 
@@ -53,10 +54,10 @@ class StdoutWriter:
         except OSError as e:
             raise PagedrunError(f"-o -: cannot write to stdout ({e.strerror or e}): the reader has gone; "
                                 f"{self.written} outputs were written") from None
-        self.done.add(key)
+        e = self.done.add(key)
         self.written += 1
         if is_error_record(record):
-            self.failed.add(key)
+            self.done.marks[e] |= FAILED
             self.written_errors += 1
 
     def locate(self, key: Key, input_line: int) -> None:

@@ -16,12 +16,14 @@ behind (a torn last line without its newline, a line that does not parse, a seco
 same request) is dropped, the file is rewritten without it, and those requests are redone.
 
 The writer holds no records, only where each one is in the file and which input line it answers
-((input line, offset, length) packed in one int) and which failed: the final rewrite copies lines in
-the input's order from there (sorted by input line, never by reading the inputs again), so a run of
-any size needs memory for its keys, not its outputs. The previous run's file is read line by line.
+(input line, offset, length) and which failed: the final rewrite copies lines in the input's order
+from there (ordered by input line, never by reading the inputs again), so a run of any size needs
+memory for its keys, not its outputs. The previous run's file is read line by line. The index is an
+IdTable (io/id_table.py): a record's key is 16 bytes, its place three 8-byte values, no Python
+object per record (about 50 bytes a record; docs/log/2026-11-28-memory-bounded-index.md).
 
 Records are keyed, not just by id: a request that ran is keyed by its id (unique among the requests
-that run), an error record for an input line that could not run by its line number, which it
+that run; io/id_table.py's request_key), an error record for an input line that could not run by its line number, which it
 carries as "line". With --skip-invalid a duplicate-id line becomes an error record with the same
 id as the request it duplicates; keyed by line, the two are neither merged nor lost.
 """
@@ -29,9 +31,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -51,28 +53,21 @@ from pagedrun.io.file_safety import (
     report_path,
     temp_path,
 )
+from pagedrun.io.id_table import DEAD, IdTable, MarkedKeys, invalid_key, request_key
 
 META_VERSION = 1
 
-# A request's id (str, or bytes for a Batch API id) or an input line's number (int): the three never
-# compare equal, and none needs a tuple around it. The index holds one key per finished request, so
-# its size is the run's memory per request (docs/log/2026-11-28-memory-per-request.md).
-Key = str | bytes | int
-_BATCH_ID = re.compile(r"batch_req_[0-9a-f]{32}")
+# A record's 16-byte key (io/id_table.py): request_key(id) or invalid_key(line); the two never
+# collide. The index holds one key per finished request, so its size is the run's memory per request
+# (docs/log/2026-11-28-memory-per-request.md).
+Key = bytes
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
+__all__ = ["Key", "OutputWriter", "invalid_key", "record_key", "request_key"]
 
-
-def request_key(request_id: str) -> Key:
-    """A request's key: its id, or for a Batch API id (batch_req_ + 32 hex digits, io/openai_batch.py)
-    those digits' 16 bytes (49 bytes of memory instead of 91)."""
-    request_id = str(request_id)
-    if len(request_id) == 42 and _BATCH_ID.fullmatch(request_id):
-        return bytes.fromhex(request_id[10:])
-    return request_id
-
-
-def invalid_key(line: int) -> Key:
-    return int(line)
+# The index's columns and marks.
+_LINE, _OFFSET, _LENGTH = 0, 1, 2
+FAILED = 1  # an error record
+_COPIED = 2  # copied by the rewrite under way
 
 
 def record_key(rec: object) -> Key | None:
@@ -103,8 +98,9 @@ class OutputWriter:
         self.fingerprint = dict(fingerprint)
         self.overwrite = overwrite
         self.fsync_interval_s = fsync_interval_s
-        self.done: dict[Key, int] = {}  # from a previous run and this one, in file order: _pack(line, offset, length)
-        self.failed: set[Key] = set()  # error records among them
+        # From a previous run and this one, in file order: (input line, offset, length) per key.
+        self.done = IdTable(columns=3)
+        self.failed = MarkedKeys(self.done, FAILED)  # error records among them
         self.resumed = 0  # records kept from a previous run
         # Records this run wrote, and the error records among them (lines that could not run, at either pass,
         # and requests that failed): what the summary and the report count, from the one place they all reach.
@@ -203,9 +199,11 @@ class OutputWriter:
         return f
 
     def _remember(self, key: Key, record: dict, offset: int, length: int, line: int = 0) -> None:
-        self.done[key] = _pack(line, offset, length)
+        t = self.done
+        e = t.add(key)
+        t.values[_LINE][e], t.values[_OFFSET][e], t.values[_LENGTH][e] = line, offset, length
         if is_error_record(record):
-            self.failed.add(key)
+            t.marks[e] |= FAILED
 
     # ---- writing --------------------------------------------------------------------------------
     def open(self) -> None:
@@ -220,7 +218,7 @@ class OutputWriter:
             elif self.overwrite:
                 self.path.unlink(missing_ok=True)
             elif self._needs_rewrite:
-                self._rewrite(list(self.done))
+                self._rewrite(self.done.entries())
             self._write_meta()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                                0o644)
@@ -290,70 +288,86 @@ class OutputWriter:
 
     def locate(self, key: Key, input_line: int) -> None:
         """Record which input line a record of a previous run answers (the resume's pass over the inputs)."""
-        packed = self.done.get(key)
-        if packed is not None:
-            self.done[key] = _pack(input_line, _offset(packed), _length(packed))
+        e = self.done.find(key)
+        if e >= 0:
+            self.done.values[_LINE][e] = input_line
 
     def input_order(self) -> list[Key]:
         """The keys whose input line is known, in input order."""
-        return sorted((k for k, packed in self.done.items() if _line(packed)), key=lambda k: _line(self.done[k]))
+        return [self.done.key_at(e) for e in self._input_order()]
+
+    def _input_order(self) -> Iterable[int]:
+        """The entries whose input line is known, in input order (ties in file order), as an array of
+        entry numbers: 8 bytes a record, where sorting a list of keys would make an object of each."""
+        lines = self.done.values[_LINE]
+        entries = [e for e in self.done.entries() if lines[e]] if len(lines) < 4096 else None
+        if entries is not None:  # small: sorted() is simplest
+            return sorted(entries, key=lines.__getitem__)
+        top = max(lines, default=0)
+        by_line = array("q", [-1]) * (top + 1)  # each line answered once: a counting sort by line
+        for e in self.done.entries():
+            line = lines[e]
+            if line:
+                if by_line[line] >= 0:  # two records for one line: keep sorted()'s order for ties
+                    return sorted((e for e in self.done.entries() if lines[e]), key=lines.__getitem__)
+                by_line[line] = e
+        return array("q", (e for e in by_line if e >= 0))
 
     def finalize(self, order: Iterable[Key] | None = None) -> None:
         """Rewrite in input order (input_order() unless `order` is given); the other keys go last, in
         file order. `order` may be a generator (it is read once). The lock stays held (the report is
         written next); close() lets it go."""
-        if order is None:
-            order = self.input_order()
+        entries = self._input_order() if order is None else (self.done.find(k) for k in order)
         self._close_file()
         try:
-            self._rewrite(order, rest=True)
+            self._rewrite(entries, rest=True)
         except OSError as e:
             raise PagedrunError(f"{self.path}: cannot write: {e.strerror or e}") from None
 
-    def _rewrite(self, keys: Iterable[Key], rest: bool = False) -> None:
-        """Copy the records of `keys` (then, with rest=True, every other one in file order) to a new
-        file; the index then points into it (records of neither are dropped)."""
+    def _rewrite(self, entries: Iterable[int], rest: bool = False) -> None:
+        """Copy the records of `entries` (index entry numbers; -1 is skipped) (then, with rest=True,
+        every other one in file order) to a new file; the index then points into it (records of
+        neither are dropped)."""
         # Write aside, fsync, rename over: a crash at any point leaves either the old or the new file.
         tmp = temp_path(self.path)
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        done = self.done
+        t = self.done
+        offsets, lengths, marks = t.values[_OFFSET], t.values[_LENGTH], t.marks
         try:
             with os.fdopen(fd, "wb") as out, self._read_locked() as src:
                 at = 0
 
-                def copy(key: Key, packed: int) -> None:
+                def copy(e: int) -> None:
                     nonlocal at
-                    src.seek(_offset(packed))
-                    line = src.read(_length(packed))
+                    src.seek(offsets[e])
+                    line = src.read(lengths[e])
                     out.write(line)
-                    # Updated in place (no second index): a copied line's entry is its new place,
-                    # bit-inverted (negative) to mark it copied until the end.
-                    done[key] = ~_pack(_line(packed), at, len(line))
+                    # Updated in place (no second index): a copied entry's place is its new one,
+                    # marked copied until the end.
+                    offsets[e], lengths[e] = at, len(line)
+                    marks[e] |= _COPIED
                     at += len(line)
 
-                for key in keys:
-                    packed = done.get(key, -1)
-                    if packed >= 0:
-                        copy(key, packed)
+                for e in entries:
+                    if e >= 0 and not marks[e] & (_COPIED | DEAD):
+                        copy(e)
                 if rest:
-                    for key, packed in done.items():  # values change, not the keys: iterating is safe
-                        if packed >= 0:
-                            copy(key, packed)
+                    for e in t.entries():  # no entry is added or removed meanwhile
+                        if not marks[e] & _COPIED:
+                            copy(e)
                 out.flush()
                 os.fsync(out.fileno())
                 self._lock.replace(tmp, out.fileno())  # the lock moves to the new file with the name
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.path.parent)
-        for key in [k for k, packed in done.items() if packed >= 0]:  # not copied: gone from the file
-            del done[key]
-            self.failed.discard(key)
-        for key, packed in done.items():
-            done[key] = ~packed
-
-
-_LINE_SHIFT = 80  # offsets below 2**48 (256 TiB), lengths below 2**32
+        for e in t.entries():
+            if marks[e] & _COPIED:
+                marks[e] &= ~_COPIED
+            else:  # not copied: gone from the file
+                t.discard(t.key_at(e))
+        t.compact()
 
 
 def is_error_record(record: dict) -> bool:
@@ -368,22 +382,6 @@ def _created_of(record: object) -> int | None:
     except (KeyError, TypeError):
         return None
     return created if isinstance(created, int) and not isinstance(created, bool) else None
-
-
-def _pack(line: int, offset: int, length: int) -> int:
-    return line << _LINE_SHIFT | offset << 32 | length
-
-
-def _line(packed: int) -> int:
-    return packed >> _LINE_SHIFT
-
-
-def _offset(packed: int) -> int:
-    return packed >> 32 & ((1 << (_LINE_SHIFT - 32)) - 1)
-
-
-def _length(packed: int) -> int:
-    return packed & 0xFFFFFFFF
 
 
 _writes_in_progress = 0

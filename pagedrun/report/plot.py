@@ -1,6 +1,7 @@
 """`--plot`: the KV blocks of a run over time, as a PNG (the matplotlib extra).
 
-Reads only what the engine recorded (its StepRecords and memory plan), like the report. The PNG is
+Reads only what the engine recorded (its StepLog's timeline, thinned to a few thousand points on a
+long run, and its memory plan), like the report. The PNG is
 written like every file a run writes (io/file_safety.py): its path checked before the run and again
 here, then a temporary file renamed over it, never through a link.
 """
@@ -20,17 +21,18 @@ def plot_blocks(engine, path: Path, out: Path | None = None, inputs: tuple[Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = engine.steps
-    t = [s.t_end for s in steps]
-    used = [s.blocks_in_use for s in steps]
-    cached = [s.blocks_in_use + s.blocks_cached_free for s in steps]
+    points = engine.steps.timeline()  # at most a few thousand points, whatever the run's length
+    t = [p.t_end for p in points]
+    used = [p.blocks_in_use for p in points]
+    cached = [p.blocks_in_use + p.blocks_cached_free for p in points]
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.fill_between(t, used, cached, step="post", alpha=0.25, color="tab:green", label="free, prefix-cached")
     ax.step(t, used, where="post", color="tab:blue", label="blocks in use")
     ax.axhline(engine.memory.num_gpu_blocks, color="k", ls="--", lw=1, label="capacity")
     for attr, color, label in (("preempted_recompute", "tab:red", "preemption (recompute)"),
                                ("preempted_swap", "tab:orange", "preemption (swap)")):
-        pts = [(s.t_end, s.blocks_in_use) for s in steps if getattr(s, attr)]
+        # A point carries the preemptions of the steps it stands for (report/metrics.py).
+        pts = [(p.t_end, p.blocks_in_use) for p in points if getattr(p, attr)]
         if pts:
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color=color, zorder=3, label=label)
     ax.set_xlabel("seconds since start")

@@ -13,7 +13,6 @@ steps), the way a time series of the cache would be summarised.
 from __future__ import annotations
 
 import json
-from array import array
 from pathlib import Path
 
 from pagedrun.errors import PagedrunError
@@ -38,7 +37,12 @@ def _ratio(a: float, b: float) -> float | None:
 
 def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: bool = False) -> dict:
     steps = engine.steps
-    col = steps.column if isinstance(steps, StepLog) else (lambda name: [getattr(s, name) for s in steps])
+    if not isinstance(steps, StepLog):  # a list of StepRecords
+        steps = StepLog(steps)
+    # Sums, maxima and the values at the peak step, kept by the StepLog as the steps came (bounded
+    # memory at any length): sum(a - b) is sum(a) - sum(b), a step's derived value at the peak is
+    # derived from its fields there.
+    total, peak, at_peak = steps.total, steps.peak, steps.at_peak
     m = engine.memory
     bs = m.block_size
     bb = m.block_bytes
@@ -46,34 +50,31 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
     # A contiguous cache stores every layer of a token; with KV cache groups a block holds fewer.
     full_bytes_per_token = (m.full_block_bytes or bb) // bs
     n = len(steps)
-    blocks = col("blocks_in_use")
-    peak_blocks = max(blocks, default=0)
-    peak_step = blocks.index(peak_blocks) if steps else None
-    # Derived per step as 8-byte arrays, not lists of ints: the report of a long run stays small.
-    slots = array("q", (b * bs for b in blocks))
-    stored = col("tokens_stored")
-    assigned = col("tokens_assigned")
-    waste = array("q", (sl - a for sl, a in zip(slots, assigned)))
-    pending = array("q", (a - st for a, st in zip(assigned, stored)))
-    sum_slots = sum(slots)
+    peak_blocks = peak("blocks_in_use")
+    peak_step = steps.peak_step
+    sum_blocks = total("blocks_in_use")
+    sum_slots = sum_blocks * bs
+    sum_stored = total("tokens_stored")
+    sum_assigned = total("tokens_assigned")
+    sum_waste = sum_slots - sum_assigned  # slots - tokens assigned, per step
+    sum_pending = sum_assigned - sum_stored  # assigned - stored, per step
+    slots_at_peak = peak_blocks * bs if peak_step is not None else None
+    waste_at_peak = slots_at_peak - at_peak("tokens_assigned") if peak_step is not None else None
+    mml = engine.max_model_len  # a contiguous cache of max_model_len per running sequence
+    reserved = (peak("reserved_contiguous_tokens"), total("reserved_contiguous_tokens"))
+    reserved_mml = (peak("num_running") * mml, total("num_running") * mml)
+    sum_logical = total("tokens_logical")
 
-    reserved = col("reserved_contiguous_tokens")
-    reserved_mml = array("q", (r * engine.max_model_len for r in col("num_running")))
-    logical = col("tokens_logical")
-
-    q = sum(col("prefix_query_tokens"))
-    hit = sum(col("prefix_hit_tokens"))
-    sin = sum(col("swap_in_blocks"))
-    sout = sum(col("swap_out_blocks"))
+    q = total("prefix_query_tokens")
+    hit = total("prefix_hit_tokens")
+    sin = total("swap_in_blocks")
+    sout = total("swap_out_blocks")
 
     tally = RunTally.of(results)  # a list of RequestOutputs, or their tally
     out_tokens = tally.output_tokens
     prompt_tokens = tally.prompt_tokens
-    prefill_computed = sum(col("num_prefill_tokens"))
+    prefill_computed = total("num_prefill_tokens")
     ttft, itl, e2e = tally.ttft_s, tally.itl_s, tally.e2e_s
-
-    def at_peak(xs: list) -> int | None:
-        return xs[peak_step] if peak_step is not None else None
 
     report = {
         "interrupted": interrupted,
@@ -86,30 +87,30 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
                         "bytes": m.num_gpu_blocks * bb, "bytes_per_token": bytes_per_token,
                         "kv_cache_dtype": m.kv_cache_dtype},
         "kv_pages_committed": _pages_committed(engine, bb),
-        "blocks_in_use": {"peak": peak_blocks, "mean": sum(blocks) / n if n else 0.0,
+        "blocks_in_use": {"peak": peak_blocks, "mean": sum_blocks / n if n else 0.0,
                           "peak_fraction_of_capacity": _ratio(peak_blocks, m.num_gpu_blocks),
-                          "cached_free_peak": max(col("blocks_cached_free"), default=0)},
+                          "cached_free_peak": peak("blocks_cached_free")},
         "utilisation": {
-            "tokens_stored_over_slots_allocated": _ratio(sum(stored), sum_slots),
-            "at_peak": _ratio(at_peak(stored), at_peak(slots)) if peak_step is not None else None,
-            "tokens_stored_peak": max(stored, default=0),
+            "tokens_stored_over_slots_allocated": _ratio(sum_stored, sum_slots),
+            "at_peak": _ratio(at_peak("tokens_stored"), slots_at_peak) if peak_step is not None else None,
+            "tokens_stored_peak": peak("tokens_stored"),
         },
         "fragmentation": {
-            "last_block_waste_tokens_mean": sum(waste) / n if n else 0.0,
-            "last_block_waste_tokens_at_peak": at_peak(waste),
-            "last_block_waste_percent": 100 * sum(waste) / sum_slots if sum_slots else None,
-            "reserved_uncomputed_tokens_mean": sum(pending) / n if n else 0.0,
+            "last_block_waste_tokens_mean": sum_waste / n if n else 0.0,
+            "last_block_waste_tokens_at_peak": waste_at_peak,
+            "last_block_waste_percent": 100 * sum_waste / sum_slots if sum_slots else None,
+            "reserved_uncomputed_tokens_mean": sum_pending / n if n else 0.0,
         },
         "contiguous": {
-            "request_max": _contiguous(reserved, logical, full_bytes_per_token, m, peak_blocks),
-            "max_model_len": _contiguous(reserved_mml, logical, full_bytes_per_token, m, peak_blocks),
+            "request_max": _contiguous(*reserved, sum_logical, n, full_bytes_per_token, m, peak_blocks),
+            "max_model_len": _contiguous(*reserved_mml, sum_logical, n, full_bytes_per_token, m, peak_blocks),
             "max_model_len_tokens": engine.max_model_len,
         },
         "prefix_cache": {"query_tokens": q, "hit_tokens": hit, "hit_rate": _ratio(hit, q),
-                         "cow_copies": sum(col("cow_copies"))},
-        "preemptions": {"recompute": sum(col("preempted_recompute")),
-                        "swap": sum(col("preempted_swap")),
-                        "swap_fallbacks": sum(col("swap_fallbacks"))},
+                         "cow_copies": total("cow_copies")},
+        "preemptions": {"recompute": total("preempted_recompute"),
+                        "swap": total("preempted_swap"),
+                        "swap_fallbacks": total("swap_fallbacks")},
         "swap": {"in_blocks": sin, "out_blocks": sout, "in_bytes": sin * bb, "out_bytes": sout * bb},
         "throughput": {
             "wall_s": wall_s, "load_s": load_s, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
@@ -121,14 +122,13 @@ def build_report(engine, results, *, wall_s: float, load_s: float, interrupted: 
                     "exact": all(getattr(xs, "is_exact", True) for xs in (ttft, itl, e2e))},
     }
     if m.kv_groups:
-        kept = [a + b for a, b in zip(col("blocks_in_use"), col("blocks_left_window"))]
         report["hybrid_kv"] = {
             "groups": list(m.kv_groups),
             "blocks_freed_by_window": engine.kv.stats.window_freed_blocks,
             "tokens_freed_by_window": engine.kv.stats.window_freed_blocks * bs,
             "peak_blocks_in_use": peak_blocks,
-            "peak_blocks_per_group": [max(held) for held in zip(*col("blocks_per_group"))],
-            "peak_blocks_every_block_kept": max(kept, default=0),
+            "peak_blocks_per_group": steps.peak_blocks_per_group if n else [],
+            "peak_blocks_every_block_kept": steps.peak_blocks_every_block_kept,
             "max_concurrency": m.max_concurrency,
             "max_concurrency_every_block_kept": m.max_concurrency_without_hybrid,
         }
@@ -155,15 +155,16 @@ def cpu_kernels_status(engine) -> str | None:
     return cpu_build.status()
 
 
-def _contiguous(reserved: list[int], logical: list[int], bytes_per_token: int, m, peak_blocks: int) -> dict:
-    """bytes_per_token: every layer's K/V of one token (what a contiguous cache stores per token)."""
-    peak = max(reserved, default=0)
-    n = len(reserved)
+def _contiguous(peak: int, sum_reserved: int, sum_logical: int, n: int, bytes_per_token: int, m,
+                peak_blocks: int) -> dict:
+    """The peak and sum over the n steps of the tokens a contiguous cache reserves, and the sum of
+    the tokens computed; bytes_per_token: every layer's K/V of one token (what a contiguous cache
+    stores per token)."""
     return {
         "peak_tokens": peak,
         "peak_bytes": peak * bytes_per_token,
-        "mean_tokens": sum(reserved) / n if n else 0.0,
-        "utilisation": _ratio(sum(logical), sum(reserved)),
+        "mean_tokens": sum_reserved / n if n else 0.0,
+        "utilisation": _ratio(sum_logical, sum_reserved),
         "peak_over_paged_peak": _ratio(peak * bytes_per_token, peak_blocks * m.block_bytes),
         "peak_over_capacity": _ratio(peak * bytes_per_token, m.kv_cache_bytes),
     }

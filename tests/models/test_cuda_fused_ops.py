@@ -563,11 +563,11 @@ def test_rope_and_cache_through_the_paged_kernels(fused, tmp_path_factory, dtype
     backend.written_slots and ops.rope_and_cache) and the paged kernels only attend: greedy tokens
     equal those of the separate rope + reshape_and_cache launches, on the emulated CUDA kernels,
     over prefill, chunked prefill, static-buffer decode steps with padding, and preemption."""
+    from tiny_models import make_tiny_model
+
     from pagedrun.attention.cuda import kernels as K
     from pagedrun.config.recipe import load_recipe
     from pagedrun.llm import LLM
-
-    from tiny_models import make_tiny_model
 
     d = make_tiny_model("llama", tmp_path_factory.mktemp("rc") / "m", seed=5, hidden_size=128, num_attention_heads=4,
                         num_key_value_heads=2, num_hidden_layers=2)  # head 32: a compiled head size

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedrun.errors import PagedrunError
+from pagedrun.report.metrics import StepLog
 
 
 class EngineReplica:
@@ -25,7 +26,7 @@ class EngineReplica:
         self.recipe = recipe
         self.batches = 0
         self.init_error: str | None = None
-        self.pending_steps: list = []  # StepRecords not yet sent to the driver
+        self.pending_steps = StepLog()  # of engines rebuilt since the last batch, not yet sent
         self.pages_before = (0, 0.0)  # KV blocks committed and seconds taken by this replica's earlier engines
         self.llm = None
         t0 = time.perf_counter()
@@ -40,10 +41,9 @@ class EngineReplica:
         from pagedrun.llm import LLM
 
         if self.llm is not None:  # keep what the old engine measured
-            self.pending_steps += self.llm.engine.steps[self._sent:]
+            self.pending_steps.merge(self.llm.engine.steps)
             self.pages_before = self._pages_committed()
         self.llm = LLM(self.recipe)
-        self._sent = 0
 
     def _pages_committed(self) -> tuple[int, float]:
         """KV blocks committed ahead of use and the seconds it took, over all of this replica's engines."""
@@ -86,8 +86,11 @@ class EngineReplica:
                     self._recover()
         busy_s = time.perf_counter() - t0
         engine = self.llm.engine
-        steps = self.pending_steps + engine.steps[self._sent:]
-        self.pending_steps, self._sent = [], len(engine.steps)
+        # The steps since the last batch, summed up (report/metrics.py: bounded, whatever their
+        # number); the engine starts a new log for the next batch.
+        steps, self.pending_steps = self.pending_steps, StepLog()
+        steps.merge(engine.steps)
+        engine.steps = StepLog()
         stats = {"replica": self.replica_id, "node": _node(), "pid": os.getpid(), "device": str(engine.worker.device),
                  "memory": engine.memory, "max_model_len": engine.max_model_len, "load_s": self.load_s,
                  "busy_s": busy_s, "steps": steps, "pages_committed": self._pages_committed()}
