@@ -90,7 +90,13 @@ def run_one(model: Path, prompts: Path, out: Path, sets: list[str], time_limit: 
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     done = sum(1 for _ in open(out, "rb")) if out.exists() else 0
-    return {"exit": proc.returncode, "first_line_s": first_line, "wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024,
+    # The KV pages the run committed: a job too short to fill its cache commits fewer, which is not
+    # memory per request (the two sizes' peaks compare fairly once it is taken off).
+    report = Path(f"{out}.report.json")
+    kv = json.loads(report.read_text())["kv_pages_committed"]["bytes"] / 2**20 if report.exists() else None
+    peak = usage.ru_maxrss / 1024
+    return {"exit": proc.returncode, "first_line_s": first_line, "wall_s": wall, "peak_rss_mib": peak,
+            "kv_committed_mib": kv, "peak_rss_less_kv_mib": None if kv is None else peak - kv,
             "lines_written": done, "stopped_at_time_limit": stopped, "stderr_tail": proc.stderr.read().decode()[-300:]}
 
 
@@ -158,6 +164,10 @@ def main() -> None:
                **run_one(model, prompts, args.workdir / f"out-{n}.jsonl", sets, args.time_limit)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if len(rows) > 1 and all(r["peak_rss_less_kv_mib"] for r in rows):
+        a, b = rows[0], rows[-1]
+        print(f"peak RSS {b['requests']:,} / {a['requests']:,} requests: {b['peak_rss_mib'] / a['peak_rss_mib']:.3f}x; "
+              f"less the committed KV pages {b['peak_rss_less_kv_mib'] / a['peak_rss_less_kv_mib']:.3f}x")
 
 
 if __name__ == "__main__":
