@@ -269,18 +269,8 @@ class PagedKernels:
         num_seqs, num_heads, head_size = (int(s) for s in query.shape)
         if num_seqs == 0:
             return "none"
-        _, block_size, num_kv_heads, cache_head_size = key_cache.shape
-        self._check_cache(key_cache, value_cache, k_scales, v_scales)
-        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
-        _check(num_heads % num_kv_heads == 0,
-               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-        _check(rows_contiguous(query), "query heads must be contiguous")
-        _check(same_dtype(query.dtype, self.variant.np_dtype) and same_dtype(out.dtype, self.variant.np_dtype),
-               lambda: f"query/out dtype != the model dtype {self.variant.dtype}")
-        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
-               "out must be contiguous like query")
-        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
-               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        self._check_launch(out, query, key_cache, value_cache, block_tables, k_scales, v_scales)
         _check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs and c_contiguous_ignoring_size1(seq_lens),
                "seq_lens must be contiguous int32 [num_seqs]")
         _check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
@@ -335,18 +325,8 @@ class PagedKernels:
         v = self.variant
         _check(not v.quantized, "the prefill kernel reads a cache in the model dtype (quantized: prefill 'kernel')")
         num_tokens, num_heads, head_size = (int(s) for s in query.shape)
-        _, block_size, num_kv_heads, cache_head_size = key_cache.shape
-        self._check_cache(key_cache, value_cache, None, None)
-        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
-        _check(num_heads % num_kv_heads == 0,
-               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-        _check(rows_contiguous(query), "query heads must be contiguous")
-        _check(same_dtype(query.dtype, v.np_dtype) and same_dtype(out.dtype, v.np_dtype),
-               lambda: f"query/out dtype != the model dtype {v.dtype}")
-        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
-               "out must be contiguous like query")
-        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
-               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        self._check_launch(out, query, key_cache, value_cache, block_tables, None, None)
         _check(tiles.dtype == np.int32 and tiles.ndim == 2 and int(tiles.shape[1]) == 4
                and c_contiguous_ignoring_size1(tiles), "tiles must be contiguous int32 [num_tiles, 4]")
         window, softcap = int(window), float(softcap)
@@ -415,6 +395,22 @@ class PagedKernels:
             (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts), np.int32(window), sinks),
             shared_mem=rsmem,
         )
+
+    def _check_launch(self, out, query, key_cache, value_cache, block_tables, k_scales, v_scales) -> None:
+        """What the decode and the prefill kernels both require of their operands."""
+        num_heads, head_size = int(query.shape[1]), int(query.shape[2])
+        num_kv_heads, cache_head_size = int(key_cache.shape[2]), int(key_cache.shape[3])
+        self._check_cache(key_cache, value_cache, k_scales, v_scales)
+        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
+        _check(num_heads % num_kv_heads == 0,
+               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        _check(rows_contiguous(query), "query heads must be contiguous")
+        _check(same_dtype(query.dtype, self.variant.np_dtype) and same_dtype(out.dtype, self.variant.np_dtype),
+               lambda: f"query/out dtype != the model dtype {self.variant.dtype}")
+        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
+               "out must be contiguous like query")
+        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
+               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
 
     def _check_cache(self, key_cache, value_cache, k_scales, v_scales) -> None:
         _check(key_cache.ndim == 4 and tuple(key_cache.shape) == tuple(value_cache.shape),
