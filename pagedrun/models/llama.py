@@ -115,7 +115,7 @@ def fused_rope_and_cache(backend, rotary, positions, q, k, v, key_cache, value_c
     rotated in place, k and v in the cache; the backend then only attends. False: nothing done."""
     written_slots = getattr(backend, "written_slots", None)
     rope_and_cache = getattr(rotary, "rope_and_cache", None)
-    if written_slots is None or rope_and_cache is None or kv_scales or not (q.is_cuda or ops.fused_on_cpu()):
+    if written_slots is None or rope_and_cache is None or kv_scales or ops.fused_for(q) is None:
         return False
     slots = written_slots(meta, key_cache, q)
     return slots is not None and rope_and_cache(positions, q, k, v, key_cache, value_cache, slots)

@@ -126,15 +126,12 @@ def torch_only():
         _enabled = before
 
 
-def _fused_for(t: torch.Tensor) -> cuda_ops.FusedOps | None:
-    """The fused CUDA kernels for a CUDA tensor (None: torch), or for a CPU tensor inside
-    fused_ops_on_cpu()."""
+def fused_for(t: torch.Tensor) -> cuda_ops.FusedOps | None:
+    """The fused CUDA kernels t's ops take: a CUDA tensor's device's (None where CuPy is missing),
+    a CPU tensor's only inside fused_ops_on_cpu(); None under torch_only() (torch then)."""
+    if not _enabled:
+        return None
     return cuda_ops.for_device(t.device) if t.is_cuda else _fused_on_cpu
-
-
-def fused_on_cpu() -> bool:
-    """Whether CPU tensors take the emulated fused kernels now (tests: fused_ops_on_cpu)."""
-    return _fused_on_cpu is not None
 
 
 @contextmanager
@@ -258,11 +255,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     A float32 weight on lower-precision rows is Gemma's norm ((1 + w) folded into the weight at
     load time): the product is taken in float32 and rounded once, as transformers computes it,
     where the Llama norm rounds the normed rows to the model's dtype before the product."""
-    if _enabled and (x.is_cuda or _fused_on_cpu is not None):
-        fused = _fused_for(x)
-        done = None if fused is None else fused.rms_norm(x, weight, eps, residual)
-        if done is not None:
-            return done
+    fused = fused_for(x)
+    done = None if fused is None else fused.rms_norm(x, weight, eps, residual)
+    if done is not None:
+        return done
     name = "rms_norm"
     if weight.dtype is torch.float32 and x.dtype is not torch.float32:
         kern = _kernels_for(x) if x.dtype is torch.bfloat16 and weight.is_cpu else None
@@ -312,10 +308,9 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     dims of each head rotate, the rest pass through, as HF's apply_rotary_pos_emb does.
     memo: where the torch path keeps the step's rows of the tables for the next layer (rope_rows)."""
     rotary_dim = 2 * cos.shape[-1]
-    if _enabled and (q.is_cuda or _fused_on_cpu is not None):
-        fused = _fused_for(q)
-        if fused is not None and fused.rope(positions, q, k, cos, sin):
-            return q, k
+    fused = fused_for(q)
+    if fused is not None and fused.rope(positions, q, k, cos, sin):
+        return q, k
     kern = _kernels_for(q, k)
     if (kern is not None and positions.dtype == torch.long and positions.is_contiguous()
             and cos.dtype == torch.float32 and sin.dtype == torch.float32
@@ -351,9 +346,7 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     """rope (q and k rotated in place) and k, v written into the paged caches at slot_mapping, in one
     fused launch (models/cuda_ops.py: CUDA tensors, or the emulator under fused_ops_on_cpu). False:
     not taken, nothing written; the caller rotates with rope() and lets the backend write the cache."""
-    if not _enabled or not (q.is_cuda or _fused_on_cpu is not None):
-        return False
-    fused = _fused_for(q)
+    fused = fused_for(q)
     return fused is not None and fused.rope_and_cache(positions, q, k, v, cos, sin, key_cache, value_cache,
                                                       slot_mapping)
 
@@ -392,10 +385,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[M, 2I] holding gate then up -> silu(gate) * up [M, I]."""
-    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None):
-        out = _fused_act(gate_up, "silu")
-        if out is not None:
-            return out
+    out = _fused_act(gate_up, "silu")
+    if out is not None:
+        return out
     kern = _kernels_for(gate_up)
     if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0:
         m, i = gate_up.shape[0], gate_up.shape[1] // 2
@@ -413,10 +405,9 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
     GeGLU of Gemma's MLP (transformers' gelu_pytorch_tanh)."""
     i = gate_up.shape[-1] // 2
     block = block or i
-    if _enabled and (gate_up.is_cuda or _fused_on_cpu is not None) and block == i:
-        out = _fused_act(gate_up, "gelu_tanh")
-        if out is not None:
-            return out
+    out = _fused_act(gate_up, "gelu_tanh") if block == i else None
+    if out is not None:
+        return out
     kern = _kernels_for(gate_up)
     if kern is not None and _rows(gate_up) and gate_up.shape[1] % 2 == 0 and i % block == 0:
         m = gate_up.shape[0]
@@ -431,7 +422,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, block: int | None = None) -> torch.
 
 
 def _fused_act(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-    fused = _fused_for(gate_up)
+    fused = fused_for(gate_up)
     return None if fused is None else fused.act_and_mul(gate_up, act)
 
 

@@ -280,12 +280,7 @@ class PagedKernels:
                    lambda: f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
         _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
                lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
-        window, softcap = int(window), float(softcap)
-        _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
-        _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
-        _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
-                                 and c_contiguous_ignoring_size1(sinks)),
-               lambda: f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {list(sinks.shape)}")
+        window, softcap = _variant_args(window, softcap, sinks, num_heads)
         if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
             window = 0
         if version is None:
@@ -329,12 +324,7 @@ class PagedKernels:
         self._check_launch(out, query, key_cache, value_cache, block_tables, None, None)
         _check(tiles.dtype == np.int32 and tiles.ndim == 2 and int(tiles.shape[1]) == 4
                and c_contiguous_ignoring_size1(tiles), "tiles must be contiguous int32 [num_tiles, 4]")
-        window, softcap = int(window), float(softcap)
-        _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
-        _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
-        _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
-                                 and c_contiguous_ignoring_size1(sinks)),
-               lambda: f"sinks must be contiguous float32 [{num_heads}]")
+        window, softcap = _variant_args(window, softcap, sinks, num_heads)
         if group is None:
             group = v.launch_group(num_heads, num_kv_heads)
         _check(group in (1, v.launch_group(num_heads, num_kv_heads)),
@@ -429,6 +419,18 @@ class PagedKernels:
             _check(t.dtype == np.float32 and int(np.prod(t.shape)) == int(np.prod(want))
                    and (t.ndim <= 1 or tuple(int(n) for n in t.shape) == want) and c_contiguous_ignoring_size1(t),
                    lambda: f"{name} must be contiguous float32 {list(want)}, got {t.dtype} {list(t.shape)}")
+
+
+def _variant_args(window, softcap, sinks, num_heads: int) -> tuple[int, float]:
+    """The attention variant's launch arguments checked (both kernels take the same): window as an
+    int, softcap as a float, sinks None or contiguous float32 [num_heads]."""
+    window, softcap = int(window), float(softcap)
+    _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
+    _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
+    _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
+                             and c_contiguous_ignoring_size1(sinks)),
+           lambda: f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {list(sinks.shape)}")
+    return window, softcap
 
 
 def _check(ok: bool, message: str | Callable[[], str]) -> None:
