@@ -17,10 +17,12 @@ absolute position context_lens[i] + j and attends (causally) to cache positions 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
 import torch
 
 
@@ -61,10 +63,10 @@ class AttentionMetadata:
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         tables = _tables(block_tables, table_width)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            slot_mapping=vector(slots, np.int64, device),
+            query_start_loc=vector(starts, np.int32, device),
+            seq_lens=vector(seq_lens, np.int32, device),
+            context_lens=vector(context_lens, np.int32, device),
             block_tables=tables.to(device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
@@ -82,7 +84,7 @@ class AttentionMetadata:
         first = cls.build(query_lens, context_lens, group_tables[0], block_size, device=device)
         out = [first]
         for tables in group_tables[1:]:
-            slots = torch.tensor(_slots(query_lens, context_lens, tables, block_size), dtype=torch.int64, device=device)
+            slots = vector(_slots(query_lens, context_lens, tables, block_size), np.int64, device)
             out.append(dataclasses.replace(first, slot_mapping=slots, block_tables=_tables(tables).to(device),
                                            backend_state={}))
         return out
@@ -101,8 +103,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def vector(values: list, dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of a list of ints (or of equal-length lists), through numpy: a third of torch.tensor's host time on a list
+    of a step's length (docs/log/2026-11-28-host-step.md)."""
+    return torch.from_numpy(np.array(values, dtype=dtype)).to(device)
+
+
 def _slots(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int) -> list[int]:
     """The cache slot of every new token, sequence after sequence."""
+    if all(q == 1 for q in query_lens):  # a decode step: one slot per sequence, no generator per row
+        return [t[c // block_size] * block_size + c % block_size for t, c in zip(block_tables, context_lens)]
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables):
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c, c + q))
@@ -111,11 +121,20 @@ def _slots(query_lens: list[int], context_lens: list[int], block_tables: list[li
 
 def _tables(block_tables: list[list[int]], table_width: int | None = None) -> torch.Tensor:
     """[num_seqs, width] int32, each table padded with 0."""
-    width = table_width or max(len(t) for t in block_tables)
-    # One tensor from padded lists: a tensor per row was a visible cost of a decode step
-    # (docs/log/2026-11-26-python-between-kernels.md, docs/log/2026-11-27-figures-from-code-comments.md).
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-    return tables.view(len(block_tables), width)  # [0, width] when there are no sequences
+    n = len(block_tables)
+    counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
+    width = table_width or (int(counts.max()) if n else 0)
+    # One numpy write of every table's blocks through a row-major mask: padded Python lists, or a
+    # tensor per row, were a visible cost of a decode step (docs/log/2026-11-26-python-between-kernels.md,
+    # docs/log/2026-11-28-host-step.md).
+    out = np.zeros((n, width), dtype=np.int32)  # [0, width] when there are no sequences
+    cols = _COLS[:width] if width <= len(_COLS) else np.arange(width)
+    out[cols < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
+                                                       count=int(counts.sum()))
+    return torch.from_numpy(out)
+
+
+_COLS = np.arange(1 << 16)
 
 
 # What a model's forward takes: one metadata for every layer, or one per layer. With the hybrid KV

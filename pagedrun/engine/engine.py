@@ -142,15 +142,17 @@ class LLMEngine:
         """The worker runs the scheduled tokens and samples one row per sampling sequence (n rows for
         a prompt that is about to fork into n)."""
         self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
-        inputs = [
-            (s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens],
-             s.seq.num_computed_tokens, self.kv.get_block_tables(s.seq.seq_id), s.samples, _prompt_targets(s))
-            for s in out.scheduled
-        ]
+        tables = self.kv.get_block_tables
+        inputs, samples = [], []
+        for s in out.scheduled:
+            seq, c = s.seq, s.seq.num_computed_tokens
+            samples.append(c + s.num_new_tokens == len(seq.token_ids))  # s.samples, read twice below
+            inputs.append((seq.token_ids[c : c + s.num_new_tokens], c, tables(seq.seq_id), samples[-1],
+                           _prompt_targets(s)))
         row_of, rows, row_owner = [], [], []
         r = 0
-        for s in out.scheduled:
-            if not s.samples:
+        for s, sample in zip(out.scheduled, samples):
+            if not sample:
                 continue
             group = s.group
             fan = group.sampling.n if (group.sampling.n > 1 and not group.forked) else 1
@@ -175,18 +177,22 @@ class LLMEngine:
                     s.group.prompt_logprobs = [None] * s.group.prompt_len
                 start = s.seq.num_computed_tokens + 1  # entries[k] is of prompt token start + k
                 s.group.prompt_logprobs[start : start + len(entries)] = entries  # a recompute: the same again
+        windowed = self._windowed
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
             if s.group.first_scheduled_time is None:
                 s.group.first_scheduled_time = t_start
-            if self._windowed:
-                self.kv.remove_skipped_blocks(s.seq.seq_id, s.seq.num_computed_tokens)
+            if windowed:
+                self.kv.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens)
         j = 0
         touched_groups: set[int] = set()  # id() of the groups that produced tokens this step
+        ids, all_lps, errors = (result.token_ids, result.logprobs, result.errors) if result is not None else ((), (), {})
+        eos, max_len, tokenizer, structured = self.eos_token_ids, self.max_model_len, self.tokenizer, self.structured
         for s, fan, gens in row_owner:
-            tokens = result.token_ids[j : j + fan]
-            lps = result.logprobs[j : j + fan]
-            why = next((result.errors[k] for k in range(j, j + fan) if k in result.errors), None)
+            tokens = ids[j : j + fan]
+            lps = all_lps[j : j + fan]
+            why = next((errors[k] for k in range(j, j + fan) if k in errors), None) if errors else None
             j += fan
             group = s.group
             if group.error is not None:  # failed by an earlier row of this step: its sequences are freed
@@ -198,13 +204,13 @@ class LLMEngine:
             if fan > 1:
                 seqs += self._fork(group, gens[1:])
             for seq, tok, lp in zip(seqs, tokens, lps):
-                seq.append_token(tok)
+                seq.token_ids.append(tok)
                 if lp is not None:
                     seq.logprobs.append(lp)
-                check_stop(seq, group.sampling, self.eos_token_ids, self.max_model_len, self.tokenizer)
-                if self.structured is not None:
-                    self.structured.after_token(seq)
-                    why = self.structured.error_of(seq.seq_id)
+                check_stop(seq, group.sampling, eos, max_len, tokenizer)
+                if structured is not None:
+                    structured.after_token(seq)
+                    why = structured.error_of(seq.seq_id)
                     if why is not None:  # the grammar engine gave up on this request: it alone fails
                         self._fail_group(group, why)
                         break
@@ -357,12 +363,13 @@ class LLMEngine:
         self._last_stats = stats
         sch = self.scheduler
         self.num_steps += 1
+        decode = out.num_decode_tokens
         self.steps.append(StepRecord(
             step=self.num_steps - 1,
             t_start=t_start - self.t0,
             t_end=time.perf_counter() - self.t0,
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
+            num_prefill_tokens=out.num_batched_tokens - decode,
+            num_decode_tokens=decode,
             num_seqs=len(out.scheduled),
             num_sampled_tokens=num_sampled,
             blocks_in_use=self.kv.num_used_gpu_blocks,

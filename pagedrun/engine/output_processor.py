@@ -13,8 +13,9 @@ from pagedrun.sampling_params import SamplingParams
 
 
 def check_stop(seq: Sequence, params: SamplingParams, eos_token_ids: set[int], max_model_len: int, tokenizer) -> None:
-    token = seq.token_ids[-1]
-    num_out = seq.num_output_tokens
+    ids = seq.token_ids
+    token = ids[-1]
+    num_out = len(ids) - seq.prompt_len
     if num_out >= params.min_tokens:
         if not params.ignore_eos and token in eos_token_ids:
             seq.finish("stop", None)
@@ -24,7 +25,7 @@ def check_stop(seq: Sequence, params: SamplingParams, eos_token_ids: set[int], m
             return
         if params.stop and tokenizer is not None and _matches_stop_string(seq, params, tokenizer):
             return
-    if num_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_out >= params.max_tokens or len(ids) >= max_model_len:
         seq.finish("length")
 
 

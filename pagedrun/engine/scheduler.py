@@ -125,6 +125,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting = GroupQueue()
         self.running: list[SequenceGroup] = []  # admission order: index 0 is the oldest
+        self._freed = False  # free_seq ran since the last remove_finished: a group may have finished
         self.swapped = GroupQueue()
 
     # ---- queue management -------------------------------------------------------------------
@@ -152,21 +153,24 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         victims: set[int] = set()  # id() of the groups preempted in this loop to make room
+        num_tokens, try_append = self.kv.get_num_tokens, self.kv.try_append_slots
         for group in list(self.running):
-            if id(group) in victims:  # preempted earlier in this loop as a victim
+            if victims and id(group) in victims:  # preempted earlier in this loop as a victim
                 continue
             scheduled_before = len(out.scheduled)
             copies_before = len(out.blocks_to_copy)
             preempted_self = False
             for seq in group.unfinished_seqs():
-                num_new = min(seq.num_uncomputed_tokens, budget)
+                computed = seq.num_computed_tokens
+                num_new = min(len(seq.token_ids) - computed, budget)
                 if num_new == 0:
                     continue
-                need = seq.num_computed_tokens + num_new - self.kv.get_num_tokens(seq.seq_id)
+                need = computed + num_new - num_tokens(seq.seq_id)
                 while need > 0:
-                    pairs = self.kv.try_append_slots(seq.seq_id, need)
+                    pairs = try_append(seq.seq_id, need)
                     if pairs is not None:
-                        out.blocks_to_copy.extend(pairs)
+                        if pairs:
+                            out.blocks_to_copy.extend(pairs)
                         break
                     victim = self.running[-1]
                     if victim is group:
@@ -307,8 +311,13 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
+        self._freed = True
 
     def remove_finished(self) -> list[SequenceGroup]:
+        """The running groups whose every sequence finished (each through free_seq), taken out."""
+        if not self._freed:  # no sequence ended this step (most steps): nothing to look for
+            return []
+        self._freed = False
         done, running = [], []
         for g in self.running:  # one pass: this runs after every step
             (done if g.is_finished else running).append(g)

@@ -114,7 +114,11 @@ class SequenceGroup:
     # The status read directly, not through Sequence.is_finished: both run for every group at
     # every step (scheduler, engine, report).
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if s.status is not SequenceStatus.FINISHED]
+        seqs = self.seqs
+        if len(seqs) == 1:  # most groups (n = 1): no comprehension, ~200 calls a step at 64 sequences
+            s = seqs[0]
+            return [s] if s.status is not SequenceStatus.FINISHED else []
+        return [s for s in seqs if s.status is not SequenceStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:

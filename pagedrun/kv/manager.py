@@ -153,6 +153,36 @@ class KVCacheManager(PoolCounts):
             out.append(b)
         return out
 
+    def held_slots(self, seqs: list[tuple[int, int]]) -> tuple[int, int, int]:
+        """Over the sequences given as (seq_id, tokens computed): (slots holding computed KV, slots
+        assigned, table entries given back to the window), a block several of them hold counted once,
+        at its fullest holder's fill. Only a leading run of each table can be shared
+        (shared_prefix_blocks), so the cost is one look per sequence plus its shared blocks: the
+        report reads this after every step (engine/occupancy.py)."""
+        bs, tables, blocks = self.block_size, self._tables, self.gpu_pool.blocks
+        stored = assigned = left = 0
+        shared: dict[int, list[tuple[int, int]]] = {}  # block -> (assigned, stored) of each holder
+        for seq_id, computed in seqs:
+            table = tables[seq_id]
+            slots, gone, ids = table.num_tokens, table.num_null, table.block_ids
+            first = gone * bs  # the first position whose block the table still holds
+            left += gone
+            stored += max(0, computed - first)
+            assigned += max(0, slots - first)
+            if len(ids) > gone and blocks[ids[gone]].ref_cnt > 1:
+                for i in range(gone, len(ids)):
+                    b = ids[i]
+                    if blocks[b].ref_cnt <= 1:
+                        break
+                    shared.setdefault(b, []).append((min(bs, max(0, slots - i * bs)),
+                                                     min(bs, max(0, computed - i * bs))))
+        for fills in shared.values():  # counted once per holder above; keep the fullest holder's
+            a = [f[0] for f in fills]
+            c = [f[1] for f in fills]
+            assigned -= sum(a) - max(a)
+            stored -= sum(c) - max(c)
+        return stored, assigned, left
+
     def get_slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Cache slots of positions start .. end-1 of a sequence on the GPU (its slot_mapping)."""
         return self._gpu_table(seq_id).slots(start, end)
@@ -323,6 +353,13 @@ class KVCacheManager(PoolCounts):
     def try_append_slots(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """append_slots when the blocks are there, else None and nothing changed: one plan where
         can_append_slots + append_slots would make two (the scheduler's per-sequence step)."""
+        table = self._tables.get(seq_id)
+        if table is not None and num_new_tokens > 0 and seq_id not in self._swapped:
+            # Most decode steps: the new slots fit the last block, which no other table holds.
+            pos, ids, bs = table.num_tokens, table.block_ids, self.block_size
+            if pos + num_new_tokens <= len(ids) * bs and self.gpu_pool.blocks[ids[pos // bs]].ref_cnt <= 1:
+                table.num_tokens = pos + num_new_tokens
+                return []
         table = self._gpu_table(seq_id)
         grow, cow = self._plan_append(table, num_new_tokens)
         if grow + int(cow) > self.gpu_pool.num_free_blocks:

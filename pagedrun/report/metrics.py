@@ -117,9 +117,9 @@ class StepLog:
             self._peak_groups = [0] * len(groups)
         if len(groups) != self._num_groups:
             raise ValueError(f"a step with {len(groups)} KV cache groups in a log of {self._num_groups}")
-        total, top = self._total, self._max
+        total, top, values = self._total, self._max, vars(rec)
         for name in self._INTS:
-            v = getattr(rec, name)
+            v = values[name]
             total[name] += v
             if v > top[name]:
                 top[name] = v
@@ -134,7 +134,7 @@ class StepLog:
             self._add_point(TimelinePoint(rec.t_end, rec.blocks_in_use, rec.blocks_cached_free, *self._since))
             self._since = [0, 0]
         for name, col in self._cols.items():
-            col.append(getattr(rec, name))
+            col.append(values[name])
         self._groups.extend(groups)
         if len(self._cols["step"]) >= 2 * self.recent:  # drop the older half at once: amortised O(1)
             self._drop_old()

@@ -80,8 +80,9 @@ class Sampler:
         """One token id per row. On a GPU the only host synchronisation is the final read of the ids
         (every row's id and whether it had anything to sample, in one tensor): parameters go to the
         device through pinned memory (sample/transfer.py), nothing is read back mid-way."""
-        if all(r.grammar is None and r.params.is_greedy and r.params.logprobs is None and not r.params.has_penalties
-               for r in rows):
+        params = {id(r.params): r.params for r in rows}.values()  # rows of one request share theirs: look once
+        if all(r.grammar is None for r in rows) and all(p.is_greedy and p.logprobs is None and not p.has_penalties
+                                                        for p in params):
             # The usual case: the argmax of the model's logits (widening bf16 is exact: the same
             # answer as on float32), no float32 copy, no row gather.
             ids = argmax_rows(logits)

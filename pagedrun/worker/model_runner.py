@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagedrun.attention.metadata import AttentionMetadata, StepMetadata
+from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, vector
 from pagedrun.worker.decode_buffers import DecodeBuffers, DecodeShape, bucket_for, decode_buckets
 
 
@@ -53,19 +54,20 @@ class ModelRunner:
             self._static_metas: dict[int, StepMetadata] = {}
 
     def build_metadata(self, inputs: list[ModelInput]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for inp in inputs:
-            input_ids.extend(inp.token_ids)
-            positions.extend(range(inp.start_pos, inp.start_pos + len(inp.token_ids)))
         query_lens, starts = [len(inp.token_ids) for inp in inputs], [inp.start_pos for inp in inputs]
+        if all(q == 1 for q in query_lens):  # a decode step: one token per sequence, at its start
+            input_ids, positions = [inp.token_ids[0] for inp in inputs], starts
+        else:
+            input_ids, positions = [], []
+            for inp in inputs:
+                input_ids.extend(inp.token_ids)
+                positions.extend(range(inp.start_pos, inp.start_pos + len(inp.token_ids)))
         # One metadata per group: the same sequences and positions, each group's own blocks.
         metas = AttentionMetadata.build_groups(query_lens, starts, [[inp.block_tables[g] for inp in inputs]
                                                                     for g in range(self.num_groups)],
                                                self.block_size, device=self.device)
         meta: StepMetadata = metas[0] if self.num_groups == 1 else [metas[g] for g in self.layer_groups]
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids, pos_t = vector([input_ids, positions], np.int64, self.device)  # one array, one copy
         return ids, pos_t, meta
 
     @torch.inference_mode()
