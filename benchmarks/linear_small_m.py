@@ -1,4 +1,4 @@
-"""The model's GEMM: pagedrun.models.ops.linear_packed's C++ kernel on packed weights against torch's
+"""The model's GEMM: pagedrun.models.packed_gemm.linear_packed's C++ kernel on packed weights against torch's
 F.linear on the same weights unpacked, per row count.
 
 Runs every linear layer of the bench's 29M tiny-llama shapes (qkv 512->1024, o 512->512, gate/up
@@ -41,14 +41,14 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(SHAPES), default="tiny-llama")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedrun.models import ops
+    from pagedrun.models import ops, packed_gemm
 
     if ops.load() is None:
         raise SystemExit(f"the CPU model ops are unavailable: {ops.load_error()}")
     shapes, layers = SHAPES[args.model]
     g = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=g) * k**-0.5 for n, k in shapes] for _ in range(layers)]
-    packed = [[ops.pack_weight(w) for w in layer] for layer in weights]
+    packed = [[packed_gemm.pack_weight(w) for w in layer] for layer in weights]
     print(f"{args.model} shapes x {layers} layers, {args.threads} threads; GFLOP/s best (median)")
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(m, k, generator=g) for _, k in shapes}
@@ -57,7 +57,7 @@ def main() -> None:
         def run_kernel():
             for layer in packed:
                 for p, (n, k) in zip(layer, shapes):
-                    ops.linear_packed(xs[k], p, None, n)
+                    packed_gemm.linear_packed(xs[k], p, None, n)
 
         def run_torch():
             for layer in weights:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from pagedrun.models import ops
+from pagedrun.models import packed_gemm
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.moe import FusedMoE
 
@@ -56,8 +56,8 @@ def dense_weights(block: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
         gates.append(w13[:block.intermediate_size])
         ups.append(w13[block.intermediate_size:])
         downs.append(w2)
-    w13 = ops.pack_gate_up(torch.cat(gates + ups), None)[0]
-    w2 = ops.pack_weight(torch.cat(downs, dim=1))
+    w13 = packed_gemm.pack_gate_up(torch.cat(gates + ups), None)[0]
+    w2 = packed_gemm.pack_weight(torch.cat(downs, dim=1))
     return w13, w2
 
 
@@ -108,8 +108,8 @@ def main() -> None:
                 if i:
                     times.append(dt)
             moe_ms = statistics.median(times) * 1e3
-            dense_ms = median_ms(lambda i: ops.linear_packed(ops.gate_up_silu(xs[i], w13, None, i_all), w2, None,
-                                                             cfg.hidden_size), args.steps)
+            dense_ms = median_ms(lambda i: packed_gemm.linear_packed(
+                packed_gemm.gate_up_silu(xs[i], w13, None, i_all), w2, None, cfg.hidden_size), args.steps)
             act = statistics.mean(active[1:])
             bound = act / m.num_experts * dense_ms * 1.25
             print(f"{name:9} {batch:>5} {act:>6.1f} {moe_ms:>8.2f} {dense_ms:>9.2f} {bound:>9.2f} "

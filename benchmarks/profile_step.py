@@ -94,11 +94,11 @@ def main() -> None:
         if isinstance(mod, torch.nn.Linear):
             mod.forward = timed_linear(mod.forward)
     eng.worker.model.compute_logits = timed("lm head", eng.worker.model.compute_logits)
-    from pagedrun.models import ops
+    from pagedrun.models import ops, packed_gemm
     for name in ("rms_norm", "rope", "silu_and_mul"):  # llama.py calls them as ops.<name>
         setattr(ops, name, timed(f"elementwise: {name}", getattr(ops, name)))
     # The MLP's gate/up GEMM with SiLU * up fused in (also counted under linear layers).
-    ops.gate_up_silu = timed("  of which gate/up + silu (fused)", ops.gate_up_silu)
+    packed_gemm.gate_up_silu = timed("  of which gate/up + silu (fused)", packed_gemm.gate_up_silu)
     eng.worker.runner.execute = timed("model step (total)", eng.worker.runner.execute)
     eng.step = timed("engine step (total)", eng.step)
 

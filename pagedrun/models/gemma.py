@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrun.models import ops
+from pagedrun.models import ops, packed_gemm
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import (
     DirectCall,
@@ -69,7 +69,7 @@ class GeGLULinear(GateUpLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() >= 3:
-            return ops.gate_up_gelu(x, self.weight, self.bias, self.out_features // 2)
+            return packed_gemm.gate_up_gelu(x, self.weight, self.bias, self.out_features // 2)
         return ops.gelu_tanh_and_mul(F.linear(x, self.weight, self.bias))
 
 

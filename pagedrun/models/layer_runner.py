@@ -8,7 +8,7 @@ The runner makes the same kernel calls with the same arguments from C, so its re
 loop's bit for bit; it has no arithmetic of its own.
 
 It applies when every op of the loop would have run its C++ kernel anyway: a CPU model in
-float32 or bfloat16 with packed weights (ops.pack_weight), an attention backend whose C++ kernel
+float32 or bfloat16 with packed weights (packed_gemm.pack_weight), an attention backend whose C++ kernel
 reads the cache unquantized, and no forward hook on a decoder layer (the layers are not called one
 by one here); Qwen3's and Gemma 3's per-head q/k norms are the kernel the loop calls too
 (ops.rms_norm on a [T, heads, hd] view). Partial rotary and Granite's residual multiplier are

@@ -24,7 +24,7 @@ from torch import nn
 from pagedrun.attention.backend import AttentionBackend
 from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, per_layer
 from pagedrun.errors import PagedrunError
-from pagedrun.models import ops
+from pagedrun.models import ops, packed_gemm
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.layer_runner import LayerRunner
 from pagedrun.models.rope import RotaryEmbedding
@@ -52,25 +52,25 @@ class Linear(DirectCall, nn.Linear):
         pass
 
     def process_weights_after_loading(self) -> None:
-        packed = ops.pack_weight(self.weight.data)
+        packed = packed_gemm.pack_weight(self.weight.data)
         if packed is not None:
             self.weight.data = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() >= 3:
-            return ops.linear_packed(x, self.weight, self.bias, self.out_features)
+            return packed_gemm.linear_packed(x, self.weight, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
 class GateUpLinear(Linear):
     """The MLP's gate_proj and up_proj stacked in one Linear ([gate; up], 2I outputs) whose forward
     is the activation's input and output at once: silu(gate) * up, [..., I]. Packed after loading
-    with gate and up interleaved a panel at a time (ops.pack_gate_up), so that the CPU kernel computes
+    with gate and up interleaved a panel at a time (packed_gemm.pack_gate_up), so that the CPU kernel computes
     both halves of each output column block together and applies the activation in the GEMM's
     epilogue: no [T, 2I] tensor, one call instead of two."""
 
     def process_weights_after_loading(self) -> None:
-        packed = ops.pack_gate_up(self.weight.data, None if self.bias is None else self.bias.data)
+        packed = packed_gemm.pack_gate_up(self.weight.data, None if self.bias is None else self.bias.data)
         if packed is not None:
             self.weight.data = packed[0]
             if self.bias is not None:
@@ -78,7 +78,7 @@ class GateUpLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() >= 3:
-            return ops.gate_up_silu(x, self.weight, self.bias, self.out_features // 2)
+            return packed_gemm.gate_up_silu(x, self.weight, self.bias, self.out_features // 2)
         return ops.silu_and_mul(F.linear(x, self.weight, self.bias))
 
 
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)
         table = self.model.embed_tokens.weight  # tied: the embedding table is the head
         if table.dim() >= 3:
-            return ops.linear_packed(hidden, table, None, self.config.vocab_size)
+            return packed_gemm.linear_packed(hidden, table, None, self.config.vocab_size)
         return F.linear(hidden, table)
 
     def process_weights_after_loading(self) -> None:
@@ -310,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.lm_head is None:
             embed = self.model.embed_tokens
-            packed = ops.pack_weight(embed.weight.data)
+            packed = packed_gemm.pack_weight(embed.weight.data)
             if packed is not None:
                 embed.weight.data = packed
         self.layer_runner = LayerRunner.for_model(self)

@@ -7,7 +7,7 @@ one through w2 ([E, H, I]) -> the k outputs of each token weighted and added, in
 order and in the model's dtype (what HF's index_add_ loop computes) -> plus the shared expert, scaled
 by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
 
-On the CPU with float32 or bfloat16 weights the experts run in one C++ call (ops.moe_experts:
+On the CPU with float32 or bfloat16 weights the experts run in one C++ call (packed_gemm.moe_experts:
 each active expert's packed weights read once per step, its rows through the same packed GEMM
 kernels as a dense layer's); elsewhere (CUDA, fp16, swigluoai) torch runs them, grouped the same way:
 one torch._grouped_mm through w13 and one through w2 for all experts at once, the group ends computed
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrun.errors import PagedrunError
-from pagedrun.models import ops
+from pagedrun.models import ops, packed_gemm
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.llama import DirectCall, Linear, LlamaMLP
 from pagedrun.models.moe_config import MoEConfig
@@ -162,7 +162,7 @@ class FusedMoE(DirectCall, nn.Module):
     """The experts of one layer stacked per projection: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I]; the router `gate` [E, H]; optionally shared_expert (+ shared_expert_gate [1, H]).
     Where the CPU kernels run, each expert's w13 and w2 are stored packed instead, as a dense
-    layer's are (w13 as ops.pack_gate_up packs gate/up), stacked: [E, ...packed shape];
+    layer's are (w13 as packed_gemm.pack_gate_up packs gate/up), stacked: [E, ...packed shape];
     load_expert writes each arriving tensor into its place in either layout."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -173,17 +173,17 @@ class FusedMoE(DirectCall, nn.Module):
         e, h, i = cfg.num_experts, config.hidden_size, cfg.intermediate_size
         self.hidden_size, self.intermediate_size, self.num_experts = h, i, e
         self.gate = Linear(h, e, bias=cfg.router_bias, dtype=dtype)
-        # Packed as they load (load_expert), in the layout ops.pack_gate_up / ops.pack_weight give a
-        # dense layer's gate/up and down weights: packing after loading would hold every expert
+        # Packed as they load (load_expert), in the layout packed_gemm.pack_gate_up / pack_weight give
+        # a dense layer's gate/up and down weights: packing after loading would hold every expert
         # twice for a moment, and experts are most of an MoE model's bytes.
-        p = ops.packing_panel(dtype, torch.empty(0).device) if cfg.activation == "silu" else None
+        p = packed_gemm.packing_panel(dtype, torch.empty(0).device) if cfg.activation == "silu" else None
         if p is not None and (i % p or (dtype is torch.bfloat16 and (h % 2 or i % 2))):
             p = None
         self.panel, self.packed = p, p is not None
         if p is None:
             w13, w2 = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
         else:
-            pair = (2,) if dtype is torch.bfloat16 else ()  # bf16: k in pairs (ops.pack_weight)
+            pair = (2,) if dtype is torch.bfloat16 else ()  # bf16: k in pairs (packed_gemm.pack_weight)
             div = 2 if pair else 1
             np2 = -(-h // p)
             w13 = torch.empty(e, 2 * i // p, h // div, p, *pair, dtype=dtype)
@@ -192,7 +192,7 @@ class FusedMoE(DirectCall, nn.Module):
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         self.w13_bias = self.w2_bias = None
-        if cfg.expert_bias:  # w13's bias interleaved as its rows are (ops.pack_gate_up) when packed
+        if cfg.expert_bias:  # w13's bias interleaved as its rows are (packed_gemm.pack_gate_up) when packed
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
@@ -228,7 +228,7 @@ class FusedMoE(DirectCall, nn.Module):
                 dst = self.w2.data[e] if part == "down" else self.w13.data[e, half * i:(half + 1) * i]
                 dst.copy_(tensor)
             else:
-                # ops.pack_weight's layout: packed[q, k, j] = w[q * p + j, k] (bf16: k in pairs);
+                # packed_gemm.pack_weight's layout: packed[q, k, j] = w[q * p + j, k] (bf16: k in pairs);
                 # pack_gate_up's panel 2j is gate's columns [j * p, (j + 1) * p), 2j + 1 up's.
                 if part == "down":
                     dst, rows = self.w2.data[e], self.w2.shape[1] * p
@@ -253,10 +253,10 @@ class FusedMoE(DirectCall, nn.Module):
         if not self.packed:
             return w13, b13, w2, b2
         panel = self.panel
-        w13 = ops._deinterleave(ops.unpack_weight(w13, 2 * self.intermediate_size), panel)
+        w13 = ops._deinterleave(packed_gemm.unpack_weight(w13, 2 * self.intermediate_size), panel)
         if b13 is not None:
             b13 = ops._deinterleave(b13, panel)
-        return w13, b13, ops.unpack_weight(w2, self.hidden_size), b2
+        return w13, b13, packed_gemm.unpack_weight(w2, self.hidden_size), b2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]."""
@@ -273,7 +273,7 @@ class FusedMoE(DirectCall, nn.Module):
         """sum over each token's k slots (ascending expert) of weight * expert(x): the C++ kernel
         where it runs, else torch_experts."""
         if self.packed and x.shape[0]:
-            out = ops.moe_experts(x, ids, weights, self.w13, self.w13_bias, self.w2, self.w2_bias,
+            out = packed_gemm.moe_experts(x, ids, weights, self.w13, self.w13_bias, self.w2, self.w2_bias,
                                   self.intermediate_size)
             if out is not None:
                 return out

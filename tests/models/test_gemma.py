@@ -25,7 +25,7 @@ from pagedrun.attention.metadata import AttentionMetadata
 from pagedrun.attention.torch_backend import TorchAttentionBackend
 from pagedrun.errors import PagedrunError
 from pagedrun.llm import LLM
-from pagedrun.models import ops
+from pagedrun.models import ops, packed_gemm
 from pagedrun.models.config import ModelConfig
 from pagedrun.models.gemma import GemmaForCausalLM
 from pagedrun.models.llama import Linear
@@ -308,9 +308,9 @@ def test_gate_up_gelu_is_the_gemm_then_the_activation(dtype):
     torch.manual_seed(3)
     i = 4 * ops.load().panel
     x, weight = torch.randn(5, 64).to(dtype), (0.1 * torch.randn(2 * i, 64)).to(dtype)
-    packed, _ = ops.pack_gate_up(weight, None)
-    got = ops.gate_up_gelu(x, packed, None, i)
-    two_calls = ops.gelu_tanh_and_mul(ops.linear_packed(x, packed, None, 2 * i), block=packed.shape[2])
+    packed, _ = packed_gemm.pack_gate_up(weight, None)
+    got = packed_gemm.gate_up_gelu(x, packed, None, i)
+    two_calls = ops.gelu_tanh_and_mul(packed_gemm.linear_packed(x, packed, None, 2 * i), block=packed.shape[2])
     assert torch.equal(got, two_calls)
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from cpu_libraries import load_or_skip
 
-from pagedrun.models import ops
+from pagedrun.models import ops, packed_gemm
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,10 @@ def test_linear_packed_matches_float64(kern, m, n, k, with_bias):
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) / k**0.5
     b = torch.randn(n, generator=g) if with_bias else None
-    packed = ops.pack_weight(w)
+    packed = packed_gemm.pack_weight(w)
     assert packed.shape == (-(-n // kern.panel), k, kern.panel)
-    assert torch.equal(ops.unpack_weight(packed, n), w)
-    got = ops.linear_packed(x, packed, b, n)
+    assert torch.equal(packed_gemm.unpack_weight(packed, n), w)
+    got = packed_gemm.linear_packed(x, packed, b, n)
     assert got.shape == (m, n) and got.dtype == torch.float32
     want = x.double() @ w.double().T + (b.double() if with_bias else 0)
     assert (got.double() - want).abs().max().item() < 4e-6 * k**0.5
@@ -72,13 +72,13 @@ def test_linear_packed_strided_rows_threads_and_fallback(kern):
     big = torch.randn(70, 700, generator=g)
     x = big[:, 100:612]  # rows 700 floats apart, read in place
     w, b = torch.randn(301, 512, generator=g), torch.randn(301, generator=g)
-    packed = ops.pack_weight(w)
+    packed = packed_gemm.pack_weight(w)
     before = torch.get_num_threads()
     try:
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs.append(ops.linear_packed(x, packed, b, 301))
+            outs.append(packed_gemm.linear_packed(x, packed, b, 301))
     finally:
         torch.set_num_threads(before)
     # One sum over k in order per output, whoever computes it: bit-identical across thread counts.
@@ -86,9 +86,9 @@ def test_linear_packed_strided_rows_threads_and_fallback(kern):
     assert (outs[0].double() - (x.double() @ w.double().T + b.double())).abs().max().item() < 1e-4
     # Kernels switched off after packing: torch on the unpacked weight, exactly F.linear.
     with ops.torch_only():
-        assert torch.equal(ops.linear_packed(x, packed, b, 301), F.linear(x, w, b))
-        assert ops.pack_weight(w) is None
-    assert ops.linear_packed(x[:0], packed, b, 301).shape == (0, 301)
+        assert torch.equal(packed_gemm.linear_packed(x, packed, b, 301), F.linear(x, w, b))
+        assert packed_gemm.pack_weight(w) is None
+    assert packed_gemm.linear_packed(x[:0], packed, b, 301).shape == (0, 301)
 
 
 @pytest.mark.slow
@@ -129,13 +129,13 @@ def test_linear_packed_bf16_matches_float64_and_every_width(kern, m, n, k):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
-    packed = ops.pack_weight(w)
+    packed = packed_gemm.pack_weight(w)
     assert packed.shape == (-(-n // kern.panel), k // 2, kern.panel, 2) and packed.dtype == torch.bfloat16
-    assert torch.equal(ops.unpack_weight(packed, n), w)
+    assert torch.equal(packed_gemm.unpack_weight(packed, n), w)
     outs = []
     for dot in _bf16_vector_paths():  # off the AMX tiles, which sum in their own order (below)
         with _bf16_path(kern, dot):
-            outs.append(ops.linear_packed(x, packed, b, n))
+            outs.append(packed_gemm.linear_packed(x, packed, b, n))
     got = outs[0]
     assert all(torch.equal(o, got) for o in outs)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -179,13 +179,13 @@ def test_linear_packed_bf16_on_amx_tiles_matches_float64(kern, m, n, k):
     x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]  # a row stride of 2k, not k
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
-    got = ops.linear_packed(x, ops.pack_weight(w), b, n)
+    got = packed_gemm.linear_packed(x, packed_gemm.pack_weight(w), b, n)
     want = x.double() @ w.double().T + b.double()
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * k**0.5).all()
     # K not a multiple of 32 leaves the tiles for the vector path, which still answers
     x2 = x[:, :k - 2].contiguous()
     w2 = w[:, :k - 2].contiguous()
-    got2 = ops.linear_packed(x2, ops.pack_weight(w2), None, n)
+    got2 = packed_gemm.linear_packed(x2, packed_gemm.pack_weight(w2), None, n)
     want2 = x2.double() @ w2.double().T
     assert ((got2.double() - want2).abs() <= want2.abs() * 2**-8 + 1e-5 * k**0.5).all()
 
@@ -199,26 +199,26 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kern, dtype):
     g = _gen(11)
     n, k = 96 * kern.panel + 5, 576
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
-    packed = ops.pack_weight(w)
+    packed = packed_gemm.pack_weight(w)
     x = torch.randn(40, k, generator=g).to(dtype)
-    full = ops.linear_packed(x, packed, None, n)
+    full = packed_gemm.linear_packed(x, packed, None, n)
     for m in (1, 2, 3, 17):
-        part = ops.linear_packed(x[:m].contiguous(), packed, None, n)
+        part = packed_gemm.linear_packed(x[:m].contiguous(), packed, None, n)
         assert torch.equal(part, full[:m]), f"{m} rows: {(part != full[:m]).sum().item()} elements differ"
 
 
 def test_bf16_odd_k_and_mixed_dtypes_take_the_torch_path(kern):
     g = _gen(5)
-    assert ops.pack_weight(torch.randn(8, 7, generator=g).bfloat16()) is None  # K odd: no pairs
+    assert packed_gemm.pack_weight(torch.randn(8, 7, generator=g).bfloat16()) is None  # K odd: no pairs
     w = torch.randn(40, 64, generator=g).bfloat16()
-    packed = ops.pack_weight(w)
+    packed = packed_gemm.pack_weight(w)
     x32 = torch.randn(3, 64, generator=g)
     # float32 activations against bf16 weights: the kernel refuses, torch's F.linear decides
     with pytest.raises(RuntimeError):
-        ops.linear_packed(x32, packed, None, 40)
+        packed_gemm.linear_packed(x32, packed, None, 40)
     x = x32.bfloat16()
     with ops.torch_only():
-        assert torch.equal(ops.linear_packed(x, packed, None, 40), F.linear(x, w))
+        assert torch.equal(packed_gemm.linear_packed(x, packed, None, 40), F.linear(x, w))
 
 
 def test_model_linears_are_packed_after_loading(kern):
@@ -350,10 +350,10 @@ def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(2 * i, k, generator=g) * 2 / k**0.5).to(dtype)
     b = torch.randn(2 * i, generator=g).to(dtype) if with_bias else None
-    packed, b_packed = ops.pack_gate_up(w, b)
-    assert packed.shape == ops.pack_weight(w).shape  # same bytes, rows reordered
-    got = ops.gate_up_silu(x, packed, b_packed, i)
-    want = ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i))
+    packed, b_packed = packed_gemm.pack_gate_up(w, b)
+    assert packed.shape == packed_gemm.pack_weight(w).shape  # same bytes, rows reordered
+    got = packed_gemm.gate_up_silu(x, packed, b_packed, i)
+    want = ops.silu_and_mul(packed_gemm.linear_packed(x, packed_gemm.pack_weight(w), b, 2 * i))
     assert got.dtype == dtype and got.shape == (m, i)
     assert torch.equal(got, want)
     h = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -362,7 +362,7 @@ def test_gate_up_silu_is_the_gemm_then_silu_and_mul(kern, dtype, m, with_bias):
     tol = 2**-6 if dtype == torch.bfloat16 else 1e-5  # bf16: three roundings of 2^-9 each, and the GEMM's
     assert ((got.double() - ref).abs() <= ref.abs() * tol + tol * 2).all()
     with ops.torch_only():
-        torch.testing.assert_close(ops.gate_up_silu(x, packed, b_packed, i), got,
+        torch.testing.assert_close(packed_gemm.gate_up_silu(x, packed, b_packed, i), got,
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
@@ -379,12 +379,13 @@ def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(2 * i, k, generator=g) * 2 / k**0.5).bfloat16()
     b = torch.randn(2 * i, generator=g).bfloat16()
-    packed, b_packed = ops.pack_gate_up(w, b)
+    packed, b_packed = packed_gemm.pack_gate_up(w, b)
     outs = []
     for dot in _bf16_vector_paths():
         with _bf16_path(kern, dot):
-            got = ops.gate_up_silu(x, packed, b_packed, i)
-            assert torch.equal(got, ops.silu_and_mul(ops.linear_packed(x, ops.pack_weight(w), b, 2 * i)))
+            got = packed_gemm.gate_up_silu(x, packed, b_packed, i)
+            want = ops.silu_and_mul(packed_gemm.linear_packed(x, packed_gemm.pack_weight(w), b, 2 * i))
+            assert torch.equal(got, want)
             outs.append(got)
     assert all(torch.equal(o, got) for o in outs)
     narrow = ops.CpuModelOps(cpu_build.build(ops.SOURCE, ("-ffp-contract=off", "-DPR_GEMM_VEC8")))
@@ -399,13 +400,13 @@ def test_bf16_gate_up_silu_on_the_vector_paths(kern, m):
 
 def test_gate_up_not_a_multiple_of_the_panel_stays_plain(kern):
     w = torch.randn(2 * (kern.panel + 1), 64)
-    assert ops.pack_gate_up(w, None) is None
+    assert packed_gemm.pack_gate_up(w, None) is None
 
 
 def test_other_dtypes_and_layouts_take_the_torch_path(kern):
     g = _gen(5)
     w = torch.randn(8, 64, generator=g)
-    assert ops.pack_weight(w.half()) is None and ops.pack_weight(w[:, None]) is None
+    assert packed_gemm.pack_weight(w.half()) is None and packed_gemm.pack_weight(w[:, None]) is None
     x32 = torch.randn(4, 8, 64, generator=g).transpose(0, 1)  # 3-D, heads not contiguous per token
     wn = torch.randn(64, generator=g)
     with ops.torch_only():
@@ -472,7 +473,7 @@ def test_disabled_by_env_and_build_failure_reported(monkeypatch, tmp_path):
     try:
         monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "0")
         assert ops.load() is None and "PAGEDRUN_CPU_MODEL_OPS" in ops.load_error()
-        assert ops.pack_weight(torch.randn(5, 16)) is None  # weights stay as loaded: torch's F.linear
+        assert packed_gemm.pack_weight(torch.randn(5, 16)) is None  # weights stay as loaded: torch's F.linear
         monkeypatch.setenv("PAGEDRUN_CPU_MODEL_OPS", "1")
         monkeypatch.setenv("PAGEDRUN_CXX", str(tmp_path / "no-such-compiler"))
         ops.load.cache_clear()
@@ -491,12 +492,13 @@ def test_packed_embedding_table_looks_up_the_same_rows(kern):
     ids = torch.tensor([0, 36, 15, 16, 5, 36, 31])
     want = emb(ids)
     table = emb.weight.data
-    emb.weight.data = ops.pack_weight(table)
+    emb.weight.data = packed_gemm.pack_weight(table)
     assert emb.weight.shape == (-(-37 // kern.panel), 24, kern.panel)
     assert torch.equal(emb(ids), want)
     # As the tied LM head: the same product as the unpacked table.
     h = torch.randn(5, 24, generator=g)
-    torch.testing.assert_close(ops.linear_packed(h, emb.weight, None, 37), F.linear(h, table), atol=1e-5, rtol=0)
+    got = packed_gemm.linear_packed(h, emb.weight, None, 37)
+    torch.testing.assert_close(got, F.linear(h, table), atol=1e-5, rtol=0)
 
 
 def test_bf16_rounding_of_denormals_is_torchs(kern):

@@ -22,7 +22,7 @@ from tiny_models import MOE_FAMILIES
 
 from pagedrun.errors import PagedrunError
 from pagedrun.llm import LLM
-from pagedrun.models import moe, ops
+from pagedrun.models import moe, ops, packed_gemm
 from pagedrun.models.loader import load_model
 from pagedrun.models.moe import FusedMoE, route
 from pagedrun.models.moe_config import MoEConfig
@@ -158,7 +158,7 @@ def _random_block(dtype, e=8, h=64, i=32, top_k=3):
 
 @pytest.mark.parametrize("dtype,dot", [(torch.float32, -1), (torch.bfloat16, 1), (torch.bfloat16, 0)])
 def test_grouped_kernel_matches_torch(dtype, dot):
-    """ops.moe_experts against FusedMoE.torch_experts on the same packed weights, with experts
+    """packed_gemm.moe_experts against FusedMoE.torch_experts on the same packed weights, with experts
     that get no rows, one row, and most rows; bf16 on vdpbf16ps (dot 1, where the CPU has it) and
     on widened FMAs (dot 0), which give the same bits."""
     kern = ops.load()
@@ -190,7 +190,7 @@ def _check_grouped_kernel(dtype):
         ids[0] = torch.tensor([0, 4, 5])
         w = torch.rand(t, 3).to(dtype)
         try:
-            got = ops.moe_experts(x, ids, w, block.w13, None, block.w2, None, cfg.moe.intermediate_size)
+            got = packed_gemm.moe_experts(x, ids, w, block.w13, None, block.w2, None, cfg.moe.intermediate_size)
         finally:
             torch.set_num_threads(before)
         assert got is not None
@@ -297,8 +297,8 @@ def test_stacked_expert_layout_loads(moe_dirs, tmp_path):
         for (_, plain), (_, block) in zip(a.moe_blocks(), packed.moe_blocks()):
             assert block.packed
             for e in range(block.num_experts):
-                assert torch.equal(block.w13[e], ops.pack_gate_up(plain.w13[e], None)[0])
-                assert torch.equal(block.w2[e], ops.pack_weight(plain.w2[e]))
+                assert torch.equal(block.w13[e], packed_gemm.pack_gate_up(plain.w13[e], None)[0])
+                assert torch.equal(block.w2[e], packed_gemm.pack_weight(plain.w2[e]))
                 assert all(u is v or torch.equal(u, v) for u, v in zip(block.expert_weights(e), plain.expert_weights(e)))
 
 
@@ -324,7 +324,7 @@ def test_profile_pass_routes_to_every_expert(moe_dirs, monkeypatch):
 
 
 def _pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
-    """ops.pack_weight's layout for another panel width (N a multiple of it)."""
+    """packed_gemm.pack_weight's layout for another panel width (N a multiple of it)."""
     n, k = weight.shape
     if weight.dtype is torch.bfloat16:
         return weight.view(n // panel, panel, k // 2, 2).transpose(1, 2).contiguous()
@@ -352,8 +352,8 @@ def test_grouped_kernel_is_the_dense_kernels_bits(dtype):
     ys = torch.empty(t, 3, h, dtype=dtype)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        act = ops.gate_up_silu(x[tok], block.w13[e], None, i)
-        ys[tok, slot] = ops.linear_packed(act, block.w2[e], None, h)
+        act = packed_gemm.gate_up_silu(x[tok], block.w13[e], None, i)
+        ys[tok, slot] = packed_gemm.linear_packed(act, block.w2[e], None, h)
     prod = (ys * w[:, :, None]).to(dtype)
     want = prod[:, 0]
     for j in (1, 2):
@@ -367,7 +367,7 @@ def test_grouped_kernel_is_the_dense_kernels_bits(dtype):
                 continue
             for n in (1, 2):
                 torch.set_num_threads(n)
-                got = ops.moe_experts(x, ids, w, block.w13, None, block.w2, None, i)
+                got = packed_gemm.moe_experts(x, ids, w, block.w13, None, block.w2, None, i)
                 assert torch.equal(got, want), (dot, n, (got.float() - want.float()).abs().max())
     finally:
         kern.lib.packed_gemm_bf16_dot(before_dot)

@@ -24,7 +24,7 @@ from moe_blocks import FLAVOURS, random_block
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedrun.llm import LLM
-from pagedrun.models import moe, ops
+from pagedrun.models import moe, ops, packed_gemm
 from pagedrun.models.loader import load_model
 from pagedrun.models.moe import FusedMoE, grouped_experts, grouped_mm_takes, route
 from pagedrun.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ def test_which_path_runs(monkeypatch):
         with torch.no_grad():
             torch.testing.assert_close(odd.torch_experts(x, w, ids), odd.loop_experts(x, w, ids))
     assert seen == ["grouped"]
-    if ops.packing_panel(torch.float32, torch.device("cpu")) is None:
+    if packed_gemm.packing_panel(torch.float32, torch.device("cpu")) is None:
         pytest.skip(f"no CPU kernels, nothing is packed: {ops.load_error()}")
     packed = FusedMoE(cfg, torch.float32)  # kernels on: packed as the CPU kernels want
     assert packed.packed

@@ -6,7 +6,8 @@ pointers. The two attention backends differ only in how they build a module and 
 grid shapes, shared-memory sizes and argument packing (numpy scalars of the exact parameter types:
 a Python float would be packed as a double) are written once, here.
 
-Which variants exist and their template names: pagedrun.attention.cuda.variants (re-exported).
+Which variants exist and their template names: pagedrun.attention.cuda.variants (re-exported); the
+varlen prefill launch: prefill_kernels.py (PagedKernels' base); the operand checks: launch_checks.py.
 A quantized KV cache (issue 18) adds two float32 scale arrays to reshape_and_cache and attention:
 fp8 one element per layer (k_scale, v_scale), int8 one per (slot, kv head) beside the blocks.
 Sliding-window attention and logit soft-capping (issue 37) are two launch arguments of every attention
@@ -18,13 +19,22 @@ sink joins the softmax once.
 from __future__ import annotations
 
 import functools
-import math
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from pagedrun.attention.cuda.launch_checks import (
+    c_contiguous_ignoring_size1,
+    check,
+    check_cache,
+    check_launch,
+    rows_contiguous,
+    same_dtype,
+    variant_args,
+)
+from pagedrun.attention.cuda.prefill_kernels import PrefillLaunch
 from pagedrun.attention.cuda.variants import (  # noqa: F401  (re-exported)
     BLOCK_SIZES,
     DTYPES,
@@ -151,14 +161,6 @@ def reduce_shared_mem(max_num_partitions: int) -> int:
     return 4 * 2 * max_num_partitions
 
 
-def prefill_shared_mem(head_size: int, rows: int) -> int:
-    """Bytes of the varlen prefill kernel's fp32 buffers (PrefillSmem in prefill_attention.cu): the
-    tile's q [rows][D], one chunk's K [32][D + 1] (padded) and V [32][D], its weights [rows][32], and
-    three floats per row (running max, sum, rescale)."""
-    c = PREFILL_CHUNK
-    return 4 * (rows * head_size + c * (head_size + 1) + c * head_size + rows * c + 3 * rows)
-
-
 # ---------------------------------------------------------------- modules
 
 
@@ -184,10 +186,10 @@ def emulator_module_factory(schedule: str = "round_robin", poison_shared: bool =
 Alloc = Callable[[tuple, Any], Any]  # (shape, numpy dtype) -> an uninitialised device array
 
 
-class PagedKernels:
-    """The five kernels of one variant, with launchers. `xp` allocates v2 scratch buffers unless
-    a launch is given `alloc` (the CuPy backend allocates through torch, so its caching allocator
-    and the memory profile see the scratch)."""
+class PagedKernels(PrefillLaunch):
+    """The five kernels of one variant, with launchers (prefill_attention: PrefillLaunch). `xp`
+    allocates v2 scratch buffers unless a launch is given `alloc` (the CuPy backend allocates
+    through torch, so its caching allocator and the memory profile see the scratch)."""
 
     def __init__(self, variant: KernelVariant, module: Any, xp: Any, smem_optin: int | None = None):
         self.variant = variant
@@ -209,9 +211,9 @@ class PagedKernels:
         limit = getattr(fn, "max_dynamic_shared_size_bytes", None)
         if limit is not None and shared_mem > limit:
             static = int(getattr(fn, "shared_size_bytes", 0) or 0)
-            _check(self.smem_optin is None or static + shared_mem <= self.smem_optin,
-                   lambda: f"{name} needs {shared_mem} B dynamic + {static} B static shared memory, over the "
-                   f"device's {self.smem_optin} B per block (sharedMemPerBlockOptin)")
+            check(self.smem_optin is None or static + shared_mem <= self.smem_optin,
+                  lambda: f"{name} needs {shared_mem} B dynamic + {static} B static shared memory, over the "
+                  f"device's {self.smem_optin} B per block (sharedMemPerBlockOptin)")
             fn.max_dynamic_shared_size_bytes = shared_mem
         return fn
 
@@ -226,13 +228,13 @@ class PagedKernels:
         if num_tokens == 0:
             return
         _, block_size, num_kv_heads, head_size = key_cache.shape
-        self._check_cache(key_cache, value_cache, k_scales, v_scales)
+        check_cache(self.variant, key_cache, value_cache, k_scales, v_scales)
         for name, t in (("key", key), ("value", value)):
-            _check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), lambda: f"{name} shape {t.shape}")
-            _check(rows_contiguous(t), lambda: f"{name} rows must be contiguous")
-            _check(same_dtype(t.dtype, self.variant.np_dtype),
-                   lambda: f"{name} dtype {t.dtype} != the model dtype {self.variant.dtype}")
-        _check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
+            check(t.ndim == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size), lambda: f"{name} shape {t.shape}")
+            check(rows_contiguous(t), lambda: f"{name} rows must be contiguous")
+            check(same_dtype(t.dtype, self.variant.np_dtype),
+                  lambda: f"{name} dtype {t.dtype} != the model dtype {self.variant.dtype}")
+        check(slot_mapping.dtype == np.int64, "slot_mapping must be int64")
         row = num_kv_heads * head_size
         # int8: one warp per kv head (the head's max |x| is a warp reduction), at most 16 warps
         threads = 32 * min(num_kv_heads, 16) if self.variant.kv_dtype == "int8" else min(row, 512)
@@ -270,17 +272,17 @@ class PagedKernels:
         if num_seqs == 0:
             return "none"
         _, block_size, num_kv_heads, _ = key_cache.shape
-        self._check_launch(out, query, key_cache, value_cache, block_tables, k_scales, v_scales)
-        _check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs and c_contiguous_ignoring_size1(seq_lens),
-               "seq_lens must be contiguous int32 [num_seqs]")
-        _check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
+        check_launch(self.variant, out, query, key_cache, value_cache, block_tables, k_scales, v_scales)
+        check(seq_lens.dtype == np.int32 and int(seq_lens.shape[0]) == num_seqs and c_contiguous_ignoring_size1(seq_lens),
+              "seq_lens must be contiguous int32 [num_seqs]")
+        check(int(block_tables.shape[0]) == num_seqs, "block_tables rows != num_seqs")
         max_seq_len = max(int(max_seq_len), 1)
         if self.xp is np and num_seqs:  # cheap on the host; on a GPU it would cost a sync
-            _check(int(seq_lens.max()) <= max_seq_len,
-                   lambda: f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
-        _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
-               lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
-        window, softcap = _variant_args(window, softcap, sinks, num_heads)
+            check(int(seq_lens.max()) <= max_seq_len,
+                  lambda: f"seq_lens max {int(seq_lens.max())} > max_seq_len {max_seq_len}")
+        check(int(block_tables.shape[1]) * block_size >= max_seq_len,
+              lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
+        window, softcap = variant_args(window, softcap, sinks, num_heads)
         if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
             window = 0
         if version is None:
@@ -291,7 +293,7 @@ class PagedKernels:
         if group is None:
             group = pick_group(self.variant, num_heads, num_kv_heads, per_head, self.num_sms)
         grouped = self.variant.launch_group(num_heads, num_kv_heads)
-        _check(group in (1, grouped), lambda: f"group {group}: this variant launches 1 or {grouped}")
+        check(group in (1, grouped), lambda: f"group {group}: this variant launches 1 or {grouped}")
         # A single row may carry a normalised stride (DLPack's size-1 rule); it is never stepped over.
         q_stride = np.int32(query.strides[0] // query.itemsize if num_seqs > 1 else num_heads * head_size)
         empty = alloc or (lambda shape, dtype: self.xp.empty(shape, dtype=dtype))
@@ -301,59 +303,6 @@ class PagedKernels:
             self._attention_launch(version, *rows, key_cache, value_cache, k_scales, v_scales, num_kv_heads,
                                    q_stride, max_seq_len, scale, empty, group, window, softcap, sinks)
         return version
-
-    def prefill_attention(
-        self, out, query, key_cache, value_cache, block_tables, tiles, max_seq_len: int, scale: float,
-        group: int | None = None, *, window: int = 0, softcap: float = 0.0, sinks=None,
-    ) -> int:
-        """The varlen prefill kernel over every tile of `tiles` (int32 [num_tiles, 4]: block-table row,
-        first token, queries, the first query's position; paged_step.prefill_tiles with this launch's
-        tile size, `self.variant.prefill_tile_q(group)`): out[token, h] = causal attention of query
-        [token, h] over its sequence's cache positions up to its own, read through block_tables in place.
-        out [num_tokens, num_heads, head_size] contiguous: rows of no tile are left as they are.
-        max_seq_len >= every tile's last position + 1 (decides whether the window binds). window /
-        softcap / sinks as paged_attention's. group: query heads per block (default: the variant's
-        where it divides the heads per KV head, else 1). Returns the number of tiles launched."""
-        num_tiles = int(tiles.shape[0])
-        if num_tiles == 0:
-            return 0
-        v = self.variant
-        _check(not v.quantized, "the prefill kernel reads a cache in the model dtype (quantized: prefill 'kernel')")
-        num_tokens, num_heads, head_size = (int(s) for s in query.shape)
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        self._check_launch(out, query, key_cache, value_cache, block_tables, None, None)
-        _check(tiles.dtype == np.int32 and tiles.ndim == 2 and int(tiles.shape[1]) == 4
-               and c_contiguous_ignoring_size1(tiles), "tiles must be contiguous int32 [num_tiles, 4]")
-        window, softcap = _variant_args(window, softcap, sinks, num_heads)
-        if group is None:
-            group = v.launch_group(num_heads, num_kv_heads)
-        _check(group in (1, v.launch_group(num_heads, num_kv_heads)),
-               lambda: f"group {group}: this variant launches 1 or {v.launch_group(num_heads, num_kv_heads)}")
-        tile_q = v.prefill_tile_q(group)
-        if self.xp is np:  # cheap on the host; on a GPU it would cost a sync
-            _check(bool((tiles[:, 2] >= 1).all() and (tiles[:, 2] <= tile_q).all()),
-                   lambda: f"tiles must hold 1..{tile_q} queries each (this launch's tile size)")
-            _check(bool((tiles[:, 1] + tiles[:, 2] <= num_tokens).all()), "tiles past the last token")
-            _check(bool((tiles[:, 3] + tiles[:, 2] <= max_seq_len).all()),
-                   lambda: f"a tile reaches past max_seq_len {max_seq_len}")
-            _check(bool((tiles[:, 0] >= 0).all() and (tiles[:, 0] < block_tables.shape[0]).all()),
-                   "tile block-table rows out of range")
-        _check(int(block_tables.shape[1]) * block_size >= max_seq_len,
-               lambda: f"block_tables has {block_tables.shape[1]} columns, too few for max_seq_len {max_seq_len}")
-        if window >= max_seq_len:  # no query has more keys than the window: full attention (and an int32)
-            window = 0
-        q_stride = np.int32(query.strides[0] // query.itemsize if num_tokens > 1 else num_heads * head_size)
-        name = v.prefill_name(group)
-        smem = prefill_shared_mem(head_size, tile_q * group)
-        fn = self.function(name, smem)
-        for lo in range(0, num_tiles, self.max_grid_y):  # tiles sit on gridDim.y
-            hi = min(num_tiles, lo + self.max_grid_y)
-            fn((num_heads // group, hi - lo, 1), (NUM_THREADS, 1, 1),
-               (out, query, key_cache, value_cache, np.int32(num_kv_heads), np.float32(scale), block_tables,
-                tiles[lo:hi], np.int32(block_tables.shape[1]), q_stride, np.int32(window), np.float32(softcap),
-                sinks),
-               shared_mem=smem)
-        return num_tiles
 
     def _attention_launch(self, version, out, query, block_tables, seq_lens, key_cache, value_cache,
                           k_scales, v_scales, num_kv_heads, q_stride, max_seq_len, scale, empty, group,
@@ -385,86 +334,6 @@ class PagedKernels:
             (out, exp_sums, max_logits, tmp_out, seq_lens, np.int32(parts), np.int32(window), sinks),
             shared_mem=rsmem,
         )
-
-    def _check_launch(self, out, query, key_cache, value_cache, block_tables, k_scales, v_scales) -> None:
-        """What the decode and the prefill kernels both require of their operands."""
-        num_heads, head_size = int(query.shape[1]), int(query.shape[2])
-        num_kv_heads, cache_head_size = int(key_cache.shape[2]), int(key_cache.shape[3])
-        self._check_cache(key_cache, value_cache, k_scales, v_scales)
-        _check(head_size == cache_head_size, lambda: f"query head_size {head_size} != cache {cache_head_size}")
-        _check(num_heads % num_kv_heads == 0,
-               lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-        _check(rows_contiguous(query), "query heads must be contiguous")
-        _check(same_dtype(query.dtype, self.variant.np_dtype) and same_dtype(out.dtype, self.variant.np_dtype),
-               lambda: f"query/out dtype != the model dtype {self.variant.dtype}")
-        _check(c_contiguous_ignoring_size1(out) and tuple(out.shape) == tuple(query.shape),
-               "out must be contiguous like query")
-        _check(block_tables.dtype == np.int32 and c_contiguous_ignoring_size1(block_tables) and block_tables.ndim == 2,
-               "block_tables must be contiguous int32 [num_seqs, max_blocks]")
-
-    def _check_cache(self, key_cache, value_cache, k_scales, v_scales) -> None:
-        _check(key_cache.ndim == 4 and tuple(key_cache.shape) == tuple(value_cache.shape),
-               "key/value caches must be [num_blocks, block_size, num_kv_heads, head_size]")
-        _check(c_contiguous_ignoring_size1(key_cache) and c_contiguous_ignoring_size1(value_cache),
-               "caches must be contiguous")
-        v = self.variant
-        _check(same_dtype(key_cache.dtype, v.cache_np_dtype) and same_dtype(value_cache.dtype, v.cache_np_dtype),
-               lambda: f"cache dtype {key_cache.dtype} != {np.dtype(v.cache_np_dtype)} (kv_cache_dtype {v.kv_dtype})")
-        if not v.quantized:
-            _check(k_scales is None and v_scales is None, "an unquantized cache takes no scales")
-            return
-        want = tuple(int(n) for n in key_cache.shape[:3]) if v.kv_dtype == "int8" else (1,)
-        for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-            _check(t is not None, lambda: f"kv_cache_dtype {v.kv_dtype} needs {name}")
-            _check(t.dtype == np.float32 and int(np.prod(t.shape)) == int(np.prod(want))
-                   and (t.ndim <= 1 or tuple(int(n) for n in t.shape) == want) and c_contiguous_ignoring_size1(t),
-                   lambda: f"{name} must be contiguous float32 {list(want)}, got {t.dtype} {list(t.shape)}")
-
-
-def _variant_args(window, softcap, sinks, num_heads: int) -> tuple[int, float]:
-    """The attention variant's launch arguments checked (both kernels take the same): window as an
-    int, softcap as a float, sinks None or contiguous float32 [num_heads]."""
-    window, softcap = int(window), float(softcap)
-    _check(window >= 0, lambda: f"window {window}: >= 0 (0: full causal attention)")
-    _check(softcap >= 0 and math.isfinite(softcap), lambda: f"softcap {softcap}: finite, >= 0 (0: off)")
-    _check(sinks is None or (sinks.dtype == np.float32 and tuple(int(n) for n in sinks.shape) == (num_heads,)
-                             and c_contiguous_ignoring_size1(sinks)),
-           lambda: f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {list(sinks.shape)}")
-    return window, softcap
-
-
-def _check(ok: bool, message: str | Callable[[], str]) -> None:
-    """A formatted message comes as a lambda: built only when the check fails (these run for
-    every layer of every step, and formatting dtypes cost more than the checks)."""
-    if not ok:
-        raise ValueError(f"paged kernels: {message() if callable(message) else message}")
-
-
-def same_dtype(have, want) -> bool:
-    """Array dtype check; bf16 travels as uint16 (numpy views) or int16 (the CuPy DLPack view)."""
-    have, want = np.dtype(have), np.dtype(want)
-    return have == want or (want == np.uint16 and have == np.int16)
-
-
-def rows_contiguous(a) -> bool:
-    """[rows, heads, head_size] with each row's heads packed: head_size elements of stride 1, heads
-    head_size apart. Dimensions of size 1 are not checked: torch 1.13 to about 2.9 export stride 1
-    for them through DLPack (so MQA's single KV head would look non-contiguous) and no
-    kernel ever steps along them."""
-    if a.ndim != 3:
-        return False
-    expect = (None, int(a.shape[2]) * a.itemsize, a.itemsize)
-    return all(int(a.shape[d]) <= 1 or a.strides[d] == expect[d] for d in (1, 2))
-
-
-def c_contiguous_ignoring_size1(a) -> bool:
-    """C-contiguous, with the strides of size-1 dimensions ignored (DLPack's normalisation)."""
-    expect = a.itemsize
-    for d in range(a.ndim - 1, -1, -1):
-        if int(a.shape[d]) > 1 and a.strides[d] != expect:
-            return False
-        expect *= int(a.shape[d])
-    return True
 
 
 def build_kernels(

@@ -20,7 +20,7 @@ import test_kernels as T
 import torch
 
 from pagedrun.attention.cuda import kernels as K
-from pagedrun.attention.cuda import paged_step
+from pagedrun.attention.cuda import paged_step, prefill_kernels
 from pagedrun.attention.cuda.emulated_backend import EmulatedAttentionBackend, as_numpy
 from pagedrun.attention.sdpa_prefill import prefill_seqs
 
@@ -222,9 +222,9 @@ def test_prefill_tiles():
 
 def test_shared_memory_and_tile_sizes():
     assert K.prefill_tile_q(64, 3) == 10 and K.prefill_tile_q(64, 1) == 32 and K.prefill_tile_q(256, 8) == 2
-    assert K.prefill_shared_mem(64, 32) == 4 * (32 * 64 + 32 * 65 + 32 * 64 + 32 * 32 + 96)
+    assert prefill_kernels.prefill_shared_mem(64, 32) == 4 * (32 * 64 + 32 * 65 + 32 * 64 + 32 * 32 + 96)
     # head 256 with 16-row tiles: under the 99 KiB a block can have on sm_86 / sm_89, far under sm_90's 227
-    assert max(K.prefill_shared_mem(h, K.prefill_tile_q(h, 1)) for h in K.HEAD_SIZES) < 99 * 1024
+    assert max(prefill_kernels.prefill_shared_mem(h, K.prefill_tile_q(h, 1)) for h in K.HEAD_SIZES) < 99 * 1024
     v = K.KernelVariant("float16", 64, 16, "auto", 3)
     assert v.prefill_name(3) == "paged_prefill_kernel<__half, 64, 16, 128, 10, 3>"
     assert v.prefill_name(3) in v.name_expressions() and v.prefill_name(1) in v.name_expressions()
