@@ -52,9 +52,11 @@ def _requests(params: list[SamplingParams], vocab: int = 640, seed: int = 0, sha
 
 
 def _both(model, params, *sets, rng=None, **kw):
-    """(sync outputs, async outputs, the async LLM)."""
-    sync = _llm(model, False, *sets, rng=rng).run(_requests(params, **kw))
+    """(sync outputs, async outputs, the async LLM; its .sync: the synchronous one)."""
+    first = _llm(model, False, *sets, rng=rng)
+    sync = first.run(_requests(params, **kw))
     llm = _llm(model, True, *sets, rng=rng)
+    llm.sync = first
     return sync, llm.run(_requests(params, **kw)), llm
 
 
@@ -67,9 +69,10 @@ def _same(a, b):
 
 
 def _mixed(rng: random.Random, stop_ids: list[int] = ()) -> list[SamplingParams]:
-    """Greedy and seeded random rows, max_tokens from 1 up, some with stop tokens."""
-    out = []
-    for i in range(28):
+    """Greedy and seeded random rows, max_tokens from 1 up, some with stop tokens; a request of
+    n = 3 whose children stop apart (one finished while its siblings run on)."""
+    out = [SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=77, stop_token_ids=list(stop_ids))]
+    for i in range(1, 28):
         stops = i % 3 == 0
         kw = dict(max_tokens=max(rng.choice([1, 2, 5, 13, 24]), 6 if stops else 1), ignore_eos=True,
                   stop_token_ids=list(stop_ids) if stops else [])
@@ -86,14 +89,21 @@ def test_greedy_and_seeded_tokens_equal_the_synchronous_loop(tiny_model, rng):
     model = tiny_model("llama")
     # Stop tokens the model does produce: taken from a first greedy run, so that stops fire mid-run.
     first = _llm(model, False).run(_requests([SamplingParams(max_tokens=6, ignore_eos=True)] * 8))
-    stop_ids = sorted({t for i in (0, 6) for t in first[i].outputs[0].token_ids[1:4]})  # greedy rows with stops
+    stop_ids = sorted({t for o in first for t in o.outputs[0].token_ids[1:4]})
     params = _mixed(random.Random(1), stop_ids)
     sync, asy, llm = _both(model, params, "scheduler.max_num_seqs=8", "model.max_model_len=64", rng=rng)
     _same(sync, asy)
-    assert sum(o.outputs[0].finish_reason == "stop" for o in sync) >= 2  # the late stops were exercised
+    reasons = [c.finish_reason for c in sync[0].outputs]
+    assert "stop" in reasons and "length" in reasons  # the fork's children end apart
+    assert sum(c.finish_reason == "stop" for o in sync for c in o.outputs) >= 3  # the late stops were exercised
     assert any(len(o.outputs[0].token_ids) + len(o.prompt_token_ids) == 64 for o in sync)  # max_model_len
     assert sum(llm.feeds) > 100  # steps really were scheduled ahead, their tokens fed on the device
     assert llm.engine.kv.num_free_gpu_blocks == llm.engine.kv.num_gpu_blocks  # nothing leaked
+    # A stop read back a step late costs at most one decode row; an end by length costs none (the
+    # sequence counts no pending token and is not scheduled again).
+    stops = sum(c.finish_reason == "stop" for o in sync for c in o.outputs)
+    decode = [sum(s.num_decode_tokens for s in x.engine.steps) for x in (llm.sync, llm)]
+    assert decode[0] <= decode[1] <= decode[0] + stops
 
 
 def test_rows_that_need_their_token_on_the_host_are_read_back_first(tiny_model, tmp_path):
