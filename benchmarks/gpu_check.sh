@@ -18,9 +18,10 @@
 #              the varlen prefill kernel
 #   engine     the engine end to end on CUDA: cupy vs torch backend greedy tokens equal, memory
 #              in use <= gpu_memory_utilization x total
-#   throughput decode with and without CUDA graphs (issue 36): SmolLM2 and 1B shapes (random weights),
-#              64 and 256 requests; out tok/s, step / host / GPU ms, share of the bandwidth bound, and
-#              graph tokens == eager tokens (benchmarks/gpu_throughput.py)
+#   throughput decode with and without CUDA graphs and async scheduling (issue 36): SmolLM2 and 1B
+#              shapes (random weights), 64 and 256 requests; out tok/s, step / host / GPU ms, share of
+#              the bandwidth bound, graph tokens == eager tokens == async tokens
+#              (benchmarks/gpu_throughput.py)
 #   bandwidth  decode at (64, 4096) bf16 head 128 against a measured D2D copy; v1 vs v2 at 16k, 32k;
 #              GQA-grouped blocks (4 query heads each) against one block per query head
 #   bandwidth-kv  the same decode with an fp8 (e4m3) and an int8 KV cache, grouped (4 query heads a
@@ -144,7 +145,7 @@ if wanted engine; then
   run engine 240 "greedy tokens|engine: " python3 benchmarks/gpu_engine_check.py --utilization 0.5
 fi
 if wanted throughput; then
-  run throughput 240 "tok/s|today|eager|graphs|tokens|differ" python3 benchmarks/gpu_throughput.py \
+  run throughput 300 "tok/s|today|eager|graphs|async|tokens|differ" python3 benchmarks/gpu_throughput.py \
     --shapes smollm2,1b --requests 64,256 --json "$OUT_DIR/throughput.json"
 fi
 if wanted bandwidth; then

@@ -131,15 +131,8 @@ class LLM:
                 index += 1
 
         results: list[RequestOutput] = []
-        while True:
-            feed()
-            if not engine.has_unfinished():
-                break
-            if should_stop is not None and should_stop():
-                # Unfinished requests are dropped, not written: a resume redoes them from scratch.
-                engine.scheduler.abort_all()
-                break
-            finished = engine.step()
+
+        def emit(finished: list[RequestOutput]) -> None:
             for o in finished:
                 if tally is not None:
                     tally.add(o)
@@ -147,6 +140,18 @@ class LLM:
                     results.append(o)
                 if on_output is not None:
                     on_output(o)
+
+        while True:
+            feed()
+            if not engine.has_unfinished():
+                break
+            if should_stop is not None and should_stop():
+                # What the step in flight finished is kept (async scheduling); unfinished requests are
+                # dropped, not written: a resume redoes them from scratch.
+                emit(engine.drain())
+                engine.abort_all()
+                break
+            emit(engine.step())
             if on_step is not None and engine.steps:
                 on_step(engine.steps[-1])
         results.sort(key=lambda o: o.index)

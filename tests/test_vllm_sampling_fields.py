@@ -30,7 +30,8 @@ def _old_fingerprint(recipe) -> str:
     d = recipe.to_dict()
     del d["output"], d["distributed"], d["cache"]["hybrid_kv"], d["model"]["chat_template"]
     del d["model"]["generation_config"], d["structured_outputs"]  # (later keys still: at their defaults here)
-    del d["scheduler"]["admission_burst"], d["model"]["cuda_graphs"]  # keys added later, which change no token
+    # keys added later, which change no token
+    del d["scheduler"]["admission_burst"], d["scheduler"]["async_scheduling"], d["model"]["cuda_graphs"]
     for name in LATER_FIELDS:
         del d["sampling"][name]
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()

@@ -139,3 +139,5 @@ def print_startup(console: Console, llm, load_s: float) -> None:
         console.print(f"[bold]memory[/] {line}", highlight=False)
     if e.worker.device.type == "cuda":  # whether decode steps replay CUDA graphs, and if not why
         console.print(e.worker.cuda_graphs_line, highlight=False, markup=False, soft_wrap=True)
+    if e.worker.device.type == "cuda" or e.async_scheduling:  # whether a step is scheduled while one runs
+        console.print(e.async_line, highlight=False, markup=False, soft_wrap=True)

@@ -166,6 +166,7 @@ CHECKS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "max_num_batched_tokens": int_check(lo=1, cap=MAX_BATCHED_TOKENS),
         "preemption_mode": _choice(("recompute", "swap")),
         "admission_burst": int_check(lo=1, cap=MAX_NUM_SEQS),
+        "async_scheduling": _auto_or_bool,
     },
     "sampling": {name: (lambda v, name=name: check_sampling_field(name, v)) for name in SAMPLING_FIELDS},
     "output": {

@@ -131,6 +131,10 @@ class SchedulerConfig:
     # pure decode steps replay a CUDA graph. 1 = vLLM's (admit whenever a slot is free); CUDA's
     # default is 16 (models/model_defaults.py). It changes no token, only which steps they run in.
     admission_burst: int = 1
+    # Schedule step n+1 while step n runs, its sampled ids fed to n+1 on the device (vLLM's
+    # async_scheduling; engine/engine.py): the host's work hides behind the GPU's. auto = on CUDA.
+    # Greedy and seeded tokens are the same either way.
+    async_scheduling: str = "auto"
 
 
 @dataclass
@@ -196,10 +200,11 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of the normalised settings, used by resume to refuse mixing outputs of two recipes.
 
-        `output`, `distributed`, cache.hybrid_kv, scheduler.admission_burst and model.cuda_graphs are
-        left out: how often we fsync, whether a report is written, how many replicas share the work,
-        whether sliding layers free their blocks, when waiting requests are admitted or whether
-        decode steps replay CUDA graphs changes no token. model.generation_config is left out too:
+        `output`, `distributed`, cache.hybrid_kv, scheduler.admission_burst, scheduler.async_scheduling
+        and model.cuda_graphs are left out: how often we fsync, whether a report is written, how many
+        replicas share the work, whether sliding layers free their blocks, when waiting requests are
+        admitted, whether a step is scheduled while the one before runs or whether decode steps
+        replay CUDA graphs changes no token. model.generation_config is left out too:
         what it applied is in `sampling` (once models/model_defaults.py resolved it), so a job is
         another job exactly when a default it ran with changed, and a job started before the key
         existed still resumes.
@@ -209,6 +214,7 @@ class Recipe:
         del d["distributed"]
         del d["cache"]["hybrid_kv"]
         del d["scheduler"]["admission_burst"]
+        del d["scheduler"]["async_scheduling"]
         del d["model"]["generation_config"]
         del d["model"]["cuda_graphs"]  # how steps are launched; a job started before the key resumes
         if d["structured_outputs"] == asdict(StructuredOutputsConfig()):

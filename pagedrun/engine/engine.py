@@ -1,9 +1,14 @@
-"""LLMEngine.step(): one iteration of continuous batching, in three phases.
+"""LLMEngine.step(): one iteration of continuous batching, in four phases.
 
     schedule  scheduler.schedule()        -> SchedulerOutput (which tokens run, in which blocks)
-    execute   worker.prepare + execute    -> swap / copy blocks, run the model, sample token ids
-    update    advance progress, register full blocks in the prefix cache, fork, check stops,
-              free blocks, hand back finished requests, record a StepRecord (the run's report)
+    launch    worker.prepare + launch     -> swap / copy blocks, run the model, sample token ids
+              (queued on the device); advance progress
+    read back LaunchedStep.result()       -> the sampled ids on the host
+    update    fork, check stops, free blocks, hand back finished requests, record a StepRecord
+              (the run's report)
+
+With async scheduling (engine/inflight.py) a step is read back after the next one is launched:
+the host's work overlaps the device's.
 
 The engine holds no tensor and imports no torch: everything on a device is the Worker's
 (worker/worker.py), reached through plain lists of ids, positions and block tables.
@@ -13,14 +18,16 @@ from __future__ import annotations
 import time
 
 from pagedrun.config.recipe import Recipe
+from pagedrun.engine.inflight import PENDING, InFlight, async_setting, may_schedule_ahead
 from pagedrun.engine.occupancy import occupancy
-from pagedrun.engine.output_processor import check_stop, final_text
+from pagedrun.engine.output_processor import check_stop
 from pagedrun.engine.parallel_sampling import CHILD_SEED_STRIDE, ParentRequest, child_sampling
+from pagedrun.engine.request_output import OutputBuilder
 from pagedrun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedrun.engine.sequence import Sequence, SequenceGroup
 from pagedrun.errors import PagedrunError
 from pagedrun.kv.hybrid import make_kv_manager
-from pagedrun.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrun.outputs import RequestOutput
 from pagedrun.report.metrics import StepLog, StepRecord
 from pagedrun.sampling_params import SamplingParams, bad_words_token_ids
 from pagedrun.structured.grammar import StructuredOutputManager
@@ -62,9 +69,15 @@ class LLMEngine:
         self.t0 = time.perf_counter()
         self._next_seq_id = 0
         self._bad_words_cache: dict[tuple, tuple] = {}
-        self._token_texts: dict[int, str] = {}  # a token id's text (prompt_logprobs' decoded_token)
+        self.outputs = OutputBuilder(self.tokenizer)
         self._failed_early: list[RequestOutput] = []  # requests refused when added, answered at the next step
         self._last_stats = self._stats_snapshot()
+        # Async scheduling (engine/inflight.py): the step launched and not read back yet, and the
+        # row of its samples each sequence waiting for its token reads on the device.
+        self.async_scheduling, self.async_line = async_setting(recipe.scheduler.async_scheduling,
+                                                               self.worker.device.type)
+        self._inflight: InFlight | None = None
+        self._pending_row: dict[int, int] = {}
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, index: int, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -119,7 +132,7 @@ class LLMEngine:
         return got
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._failed_early)
+        return self.scheduler.has_unfinished() or bool(self._failed_early) or self._inflight is not None
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -127,44 +140,99 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
-        out = self.scheduler.schedule()
+        """Schedule and launch a step, then read back a step's samples: this one's, or with async
+        scheduling the one launched before it (this one runs on while the host reads, updates and
+        schedules the next: engine/inflight.py)."""
         finished, self._failed_early = self._failed_early, []
+        if self._inflight is not None and not may_schedule_ahead(self.scheduler, self.kv):
+            finished += self._resolve()  # its tokens first: this step may have to preempt
+        t_start = time.perf_counter()
+        in_flight = self._inflight is not None  # this step is scheduled ahead of its read back
+        out = self.scheduler.schedule()
         finished += [o for g, reason in out.aborted if (o := self._error_output(g, reason)) is not None]
         if out.is_empty:
-            return finished + self._unblock()
-        result, row_owner = self._execute(out)
-        finished += self._update(out, result, row_owner, t_start)
-        self._record(out, t_start, len(finished), len(result.token_ids) if result is not None else 0)
+            return finished + (self._resolve() if in_flight else self._unblock())
+        if in_flight and (out.preempted_recompute or out.preempted_swap):
+            raise RuntimeError("async scheduling: a step scheduled ahead preempted a sequence (a bug)")
+        launched = self._launch(out, t_start)
+        if in_flight:
+            finished += self._resolve()
+        self._inflight = launched
+        if not launched.ahead:
+            finished += self._resolve()
         return finished
 
-    def _execute(self, out: SchedulerOutput):
+    def drain(self) -> list[RequestOutput]:
+        """Read back the step still in flight, if any (before an interrupt drops the rest)."""
+        return self._resolve() if self._inflight is not None else []
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request, and the step in flight unread (after an error)."""
+        self._inflight = None
+        self.scheduler.abort_all()
+
+    def _launch(self, out: SchedulerOutput, t_start: float) -> InFlight:
         """The worker runs the scheduled tokens and samples one row per sampling sequence (n rows for
-        a prompt that is about to fork into n)."""
+        a prompt that is about to fork into n), queued; then every scheduled sequence is advanced,
+        and a sampling one counts the token it waits for (Sequence.num_pending)."""
         self.worker.prepare(out, self.kv.num_gpu_blocks_touched)
         tables = self.kv.get_block_tables
-        inputs, samples = [], []
-        for s in out.scheduled:
+        inputs, samples, feed = [], [], []
+        ahead = self.async_scheduling  # whether the next step may be scheduled before this one is read
+        for i, s in enumerate(out.scheduled):
             seq, c = s.seq, s.seq.num_computed_tokens
-            samples.append(c + s.num_new_tokens == len(seq.token_ids))  # s.samples, read twice below
-            inputs.append((seq.token_ids[c : c + s.num_new_tokens], c, tables(seq.seq_id), samples[-1],
-                           _prompt_targets(s)))
+            known = seq.token_ids[c : c + s.num_new_tokens]
+            if len(known) < s.num_new_tokens:  # its last token is being sampled by the step in flight
+                known.append(PENDING)
+                feed.append((i, self._pending_row[seq.seq_id]))
+            samples.append(c + s.num_new_tokens == len(seq.token_ids) + seq.num_pending)  # s.samples
+            targets = _prompt_targets(s)
+            ahead = ahead and targets is None
+            inputs.append((known, c, tables(seq.seq_id), samples[-1], targets))
         row_of, rows, row_owner = [], [], []
         r = 0
         for s, sample in zip(out.scheduled, samples):
             if not sample:
                 continue
-            group = s.group
-            fan = group.sampling.n if (group.sampling.n > 1 and not group.forked) else 1
-            gens = self._generators(s.seq, group, fan)
-            grammar = self.structured.row_grammar(s.seq) if self.structured is not None else None
+            group, seq = s.group, s.seq
+            params = group.sampling
+            fan = params.n if (params.n > 1 and not group.forked) else 1
+            gens = self._generators(seq, group, fan)
+            grammar = self.structured.row_grammar(seq) if self.structured is not None else None
+            bad_words = self._bad_words_ids(params)
+            # A row whose next input is this row's sample, unknown to the host until read back
+            # (penalties, grammar, logprobs, a fork), is read back before the next step is scheduled.
+            if ahead:
+                ahead = fan == 1 and grammar is None and not params.has_penalties and params.logprobs is None
+            position = len(seq.token_ids) + seq.num_pending
             for k in range(fan):
                 row_of.append(r)
-                rows.append((group.sampling, gens[k], (s.seq.token_ids, s.seq.prompt_len), grammar,
-                             self._bad_words_ids(group.sampling)))
-            row_owner.append((s, fan, gens))
+                rows.append((params, gens[k], (seq.token_ids, seq.prompt_len), grammar, bad_words, position))
+            row_owner.append([s, fan, gens, False])
             r += 1
-        return self.worker.execute(inputs, row_of, rows), row_owner
+        launched = self.worker.launch(inputs, row_of, rows, feed)
+        step = InFlight(out, launched, row_owner, t_start, ahead, out.num_decode_tokens)
+        windowed = self._windowed
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if s.group.first_scheduled_time is None:
+                s.group.first_scheduled_time = t_start
+            if windowed:
+                self.kv.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens)
+        if ahead:
+            self._pending_row = step.count_pending(self.max_model_len)
+        return step
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Read back the step in flight: append its tokens, check stops, free what finished."""
+        step, self._inflight = self._inflight, None
+        result = step.launched.result()
+        step.settle()
+        finished = self._update(step.out, result, step.row_owner, step.t_start)
+        self._record(step.out, step.t_start, step.num_decode_tokens, len(finished),
+                     len(result.token_ids) if result is not None else 0)
+        return finished
 
     def _update(self, out: SchedulerOutput, result, row_owner, t_start: float) -> list[RequestOutput]:
         """Advance every scheduled sequence, append the sampled tokens (forking where a prompt asked
@@ -175,27 +243,22 @@ class LLMEngine:
                 s = out.scheduled[i]
                 if s.group.prompt_logprobs is None:  # position 0 has none: nothing precedes it
                     s.group.prompt_logprobs = [None] * s.group.prompt_len
-                start = s.seq.num_computed_tokens + 1  # entries[k] is of prompt token start + k
+                # entries[k] is of prompt token start + k (num_computed_tokens was advanced at launch)
+                start = s.seq.num_computed_tokens - s.num_new_tokens + 1
                 s.group.prompt_logprobs[start : start + len(entries)] = entries  # a recompute: the same again
-        windowed = self._windowed
-        for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if s.group.first_scheduled_time is None:
-                s.group.first_scheduled_time = t_start
-            if windowed:
-                self.kv.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens)
         j = 0
         touched_groups: set[int] = set()  # id() of the groups that produced tokens this step
         ids, all_lps, errors = (result.token_ids, result.logprobs, result.errors) if result is not None else ((), (), {})
         eos, max_len, tokenizer, structured = self.eos_token_ids, self.max_model_len, self.tokenizer, self.structured
-        for s, fan, gens in row_owner:
+        for s, fan, gens, _ in row_owner:
             tokens = ids[j : j + fan]
             lps = all_lps[j : j + fan]
             why = next((errors[k] for k in range(j, j + fan) if k in errors), None) if errors else None
             j += fan
             group = s.group
             if group.error is not None:  # failed by an earlier row of this step: its sequences are freed
+                continue
+            if s.seq.is_finished:  # stopped by the step before, read back after this one was launched
                 continue
             if why is not None:  # nothing to sample from (NaN logits): this request alone fails, with no token
                 self._fail_group(group, f"{why}, at output token {s.seq.num_output_tokens + 1}")
@@ -283,57 +346,7 @@ class LLMEngine:
                 return None
             if g.parent.error is not None:
                 return self._error(g, g.parent.error)
-        first = groups[0]
-        seqs = [s for grp in groups for s in grp.seqs]
-        with_logprobs = first.sampling.logprobs is not None
-        completions = [
-            CompletionOutput(i, final_text(s, self.tokenizer, first.sampling), s.output_token_ids, s.finish_reason,
-                             s.stop_reason, s.logprobs if with_logprobs else None,
-                             sum(e["logprob"] for e in s.logprobs) if with_logprobs else None,
-                             structured_output_incomplete=s.structured_incomplete)
-            for i, s in enumerate(seqs)
-        ]
-        arrival = first.arrival_time
-        t = sorted({x for grp in groups for x in grp.token_times})  # steps that produced a token
-        itl = [b - a for a, b in zip(t, t[1:])]
-        metrics = {
-            "queued_s": _round(min(grp.first_scheduled_time or arrival for grp in groups) - arrival),
-            "ttft_s": _round(min(grp.first_token_time or arrival for grp in groups) - arrival),
-            "e2e_s": _round(max(grp.finished_time or arrival for grp in groups) - arrival),
-            "mean_itl_s": _round(sum(itl) / len(itl)) if itl else None,
-            "itl_s": [_round(x) for x in itl],
-        }
-        return RequestOutput(first.request_id, first.index, first.seqs[0].token_ids[: first.prompt_len],
-                             completions, first.num_cached_prompt_tokens,
-                             sum(grp.num_preemptions for grp in groups), metrics,
-                             **self._prompt_logprobs(first))
-
-    def _prompt_logprobs(self, g: SequenceGroup) -> dict:
-        """RequestOutput's prompt_logprobs (vLLM's {token_id: Logprob} per position) and the entries
-        they came from (the output files' shape); nothing for a request that did not ask."""
-        if g.sampling.prompt_logprobs is None:
-            return {}
-        entries = g.prompt_logprobs or [None] * g.prompt_len
-        text = self._token_text
-        vllm: list[dict[int, Logprob] | None] = []
-        for e in entries:
-            if e is None:
-                vllm.append(None)
-                continue
-            d = {t: Logprob(lp, r + 1, text(t)) for r, (t, lp) in enumerate(e["top"])}
-            d[e["token_id"]] = Logprob(e["logprob"], e["rank"], text(e["token_id"]))
-            vllm.append(d)
-        return {"prompt_logprobs": vllm, "prompt_logprob_entries": entries}
-
-    def _token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        got = self._token_texts.get(token_id)
-        if got is None:
-            if len(self._token_texts) > 1 << 16:
-                self._token_texts.clear()
-            got = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return got
+        return self.outputs.build(groups)
 
     def _error_output(self, g: SequenceGroup, reason: str) -> RequestOutput | None:
         """An error record for a request that cannot run (None while a fanned-out one has children left)."""
@@ -357,13 +370,12 @@ class LLMEngine:
         st = self.kv.stats
         return {k: getattr(st, k) for k in ("prefix_query_tokens", "prefix_hit_tokens", "cow_copies")}
 
-    def _record(self, out: SchedulerOutput, t_start: float, num_finished: int, num_sampled: int) -> None:
+    def _record(self, out: SchedulerOutput, t_start: float, decode: int, num_finished: int, num_sampled: int) -> None:
         stats = self._stats_snapshot()
         delta = {k: stats[k] - self._last_stats[k] for k in stats}
         self._last_stats = stats
         sch = self.scheduler
         self.num_steps += 1
-        decode = out.num_decode_tokens
         self.steps.append(StepRecord(
             step=self.num_steps - 1,
             t_start=t_start - self.t0,
@@ -407,6 +419,3 @@ def _prompt_targets(s) -> tuple[int, list[int]] | None:
         return None
     return top_n, s.seq.token_ids[a + 1 : end + 1]
 
-
-def _round(x: float) -> float:
-    return round(x, 6)

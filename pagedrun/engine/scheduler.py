@@ -47,8 +47,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """After this step every known token has KV, so the step produces the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """After this step every token has KV (known or pending), so the step produces the next one."""
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == len(seq.token_ids) + seq.num_pending
 
     @property
     def is_decode(self) -> bool:
@@ -162,7 +163,7 @@ class Scheduler:
             preempted_self = False
             for seq in group.unfinished_seqs():
                 computed = seq.num_computed_tokens
-                num_new = min(len(seq.token_ids) - computed, budget)
+                num_new = min(len(seq.token_ids) + seq.num_pending - computed, budget)
                 if num_new == 0:
                     continue
                 need = computed + num_new - num_tokens(seq.seq_id)

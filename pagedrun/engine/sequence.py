@@ -34,6 +34,9 @@ class Sequence:
     prompt_len: int
     token_ids: list[int]  # prompt followed by generated tokens
     num_computed_tokens: int = 0
+    # Tokens a launched step is sampling that are not in token_ids yet (async scheduling,
+    # engine/engine.py): the scheduler counts them, the next step reads them on the device.
+    num_pending: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -67,7 +70,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

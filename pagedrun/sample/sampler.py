@@ -32,6 +32,9 @@ class SamplingRow:
     history: tuple[list[int], int] = ((), 0)
     grammar: Any = None  # structured/grammar.Grammar of a constrained sequence: masks its logits
     bad_words_ids: tuple = ()  # the token sequences of params.bad_words (bad_words_token_ids)
+    # Position of the token drawn (the counter RNG's key); None: len(history[0]). With async
+    # scheduling the history lacks the token still being sampled by the step before.
+    position: int | None = None
 
 
 @dataclass
@@ -46,6 +49,35 @@ class SampleResult:
     # Scheduled input index -> one entry per position of its chunk that precedes a prompt token
     # (prompt_logprobs; filled in by the worker): {"token_id", "logprob", "rank", "top"}.
     prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)
+
+
+class PendingSample:
+    """A step's samples, launched: `ids` stays on the device (async scheduling feeds it to the next
+    step as input ids), the host copy is on its way; `result()` waits for it alone (a CUDA event),
+    not for whatever was queued after it."""
+
+    def __init__(self, sampler: "Sampler", ids: torch.Tensor, bad: torch.Tensor, rows: list[SamplingRow],
+                 raw: torch.Tensor | None):
+        self.ids, self._sampler, self._rows, self._raw = ids, sampler, rows, raw
+        packed = torch.where(bad, torch.full_like(ids, -1), ids)
+        self._event = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        """The step's one read back: each row's id, -1 where the row had nothing to sample."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = self._sampler._finish(self._host.tolist(), self._rows, self._raw)
+            self._raw = None
+        return self._result
 
 
 UNSAMPLEABLE = ("sampling: no finite distribution to sample from (NaN or infinite logits after logit_bias, "
@@ -77,16 +109,21 @@ class Sampler:
         self.num_calls = 0  # the unseeded rows' counter on the counter path
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """One token id per row. On a GPU the only host synchronisation is the final read of the ids
-        (every row's id and whether it had anything to sample, in one tensor): parameters go to the
-        device through pinned memory (sample/transfer.py), nothing is read back mid-way."""
+        """One token id per row, read back."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """One token id per row, queued. On a GPU the only host synchronisation is the read of the ids
+        (every row's id and whether it had anything to sample, in one tensor) in PendingSample.result:
+        parameters go to the device through pinned memory (sample/transfer.py), nothing is read back
+        mid-way."""
         params = {id(r.params): r.params for r in rows}.values()  # rows of one request share theirs: look once
         if all(r.grammar is None for r in rows) and all(p.is_greedy and p.logprobs is None and not p.has_penalties
                                                         for p in params):
             # The usual case: the argmax of the model's logits (widening bf16 is exact: the same
             # answer as on float32), no float32 copy, no row gather.
             ids = argmax_rows(logits)
-            return self._read(ids, _bad_argmax(logits, ids), rows, None)
+            return PendingSample(self, ids, _bad_argmax(logits, ids), rows, None)
         raw = logits.float()
         device = raw.device
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
@@ -104,7 +141,7 @@ class Sampler:
         self.num_calls += 1
         if not random:  # no copy of the rows
             ids = argmax_rows(logits)
-            return self._read(ids, _bad_argmax(logits, ids), rows, raw)
+            return PendingSample(self, ids, _bad_argmax(logits, ids), rows, raw)
         token_ids = torch.zeros(num_rows, dtype=torch.long, device=device)
         bad = torch.zeros(num_rows, dtype=torch.bool, device=device)
         if greedy:
@@ -137,12 +174,10 @@ class Sampler:
                     exp[j] = torch.empty(vocab).exponential_(generator=g).to(exp.device)
         token_ids[idx] = (probs / exp).argmax(dim=-1)
         bad[idx] = r_bad
-        return self._read(token_ids, bad, rows, raw)
+        return PendingSample(self, token_ids, bad, rows, raw)
 
-    def _read(self, ids: torch.Tensor, bad: torch.Tensor, rows: list[SamplingRow],
-              raw: torch.Tensor | None) -> SampleResult:
-        """The step's one read back: each row's id, -1 where the row had nothing to sample."""
-        got = torch.where(bad, torch.full_like(ids, -1), ids).tolist()
+    def _finish(self, got: list[int], rows: list[SamplingRow], raw: torch.Tensor | None) -> SampleResult:
+        """The result of the ids read back (-1: nothing to sample): errors, logprobs."""
         errors = {i: UNSAMPLEABLE for i, t in enumerate(got) if t < 0}
         if errors:
             got = [max(t, 0) for t in got]  # a placeholder the engine never appends
@@ -157,7 +192,8 @@ class Sampler:
         for j, i in enumerate(random):
             g, history = rows[i].generator, rows[i].history
             if g is not None:
-                keys.append(counter_rng.row_key(g.initial_seed(), len(history[0])))
+                pos = rows[i].position
+                keys.append(counter_rng.row_key(g.initial_seed(), len(history[0]) if pos is None else pos))
             else:
                 keys.append(counter_rng.row_key(self.seed ^ (self.num_calls << 20), (1 << 31) + j))
         return keys

@@ -22,9 +22,12 @@ sequences' ids, which the worker does not see, and a permutation of the logits;
 docs/log/2026-11-28-decode-graphs.md measured both ways of re-packing. Columns past a table's end
 keep what an earlier step left: the kernels read no block at or past ceil(seq_len / block_size).
 
-The pinned mirrors are written while no copy from them is in flight: every step ends with the
-sampler reading its token ids back (a synchronisation after this step's copies), before the next
-step's fill.
+The pinned mirrors are written while no copy from them is in flight. Without async scheduling
+every step ends with the sampler reading its token ids back (a synchronisation after this step's
+copies) before the next step's fill. With it (engine/inflight.py) step n+1 is filled while step n,
+whose copies may not have run yet, is queued: so on CUDA there are two sets of mirrors, used in
+turn (`mirrors=2`), and a set is written again only after the step that last read it was read
+back. (On a CPU the copies are done when `copy_` returns.)
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ class DecodeBuffers:
     [Bmax]; block_tables int32 [G, Bmax, W]. The int64 vectors share one buffer, the int32 vectors
     another: a step copies those two and each group's table rows in use."""
 
-    def __init__(self, shape: DecodeShape, device: torch.device):
+    def __init__(self, shape: DecodeShape, device: torch.device, mirrors: int = 1):
         self.shape, self.device = shape, device
         b, g, w = shape.max_rows, shape.num_groups, shape.width
         pin = device.type == "cuda"
@@ -92,6 +95,12 @@ class DecodeBuffers:
         self.h32, self._host32, self.d32 = pair((2, b), torch.int32)  # seq_lens, context_lens
         self.htab, self._hosttab, self.dtab = pair((g, b, w), torch.int32)
         self.h64[2:] = -1  # every row starts as padding
+        self._spare = None  # the other set of host mirrors (mirrors=2), swapped in by each fill
+        if mirrors == 2:
+            (h64, host64, _), (h32, host32, _), (htab, hosttab, _) = (
+                pair((2 + g, b), torch.int64), pair((2, b), torch.int32), pair((g, b, w), torch.int32))
+            h64[2:] = -1
+            self._spare = (h64, host64, h32, host32, htab, hosttab, [[] for _ in range(g)])
         self.input_ids, self.positions, self.slot_mapping = self.d64[0], self.d64[1], self.d64[2:]
         self.seq_lens, self.context_lens, self.block_tables = self.d32[0], self.d32[1], self.dtab
         self._rows = np.arange(b, dtype=np.int64)
@@ -102,6 +111,10 @@ class DecodeBuffers:
     def fill(self, token_ids: list[int], start_pos: list[int], tables: list[list[list[int]]]) -> None:
         """Row i: token_ids[i] at position start_pos[i], through tables[g][i] in group g; the rows
         past len(token_ids) become padding. Then the copies to the device (non-blocking)."""
+        if self._spare is not None:
+            mine = (self.h64, self._host64, self.h32, self._host32, self.htab, self._hosttab, self._prev)
+            self.h64, self._host64, self.h32, self._host32, self.htab, self._hosttab, self._prev = self._spare
+            self._spare = mine
         n, bs = len(token_ids), self.shape.block_size
         ids, pos, slots = self.h64[0], self.h64[1], self.h64[2:]
         ids[:n] = token_ids

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagedrun.attention.metadata import AttentionMetadata, StepMetadata, vector
+from pagedrun.sample.transfer import to_device
 from pagedrun.worker.decode_buffers import DecodeBuffers, DecodeShape, bucket_for, decode_buckets
 
 
@@ -31,6 +32,21 @@ class ModelInput:
     block_tables: list[list[int]]  # one per KV cache group (kv/groups.py)
     sample: bool  # produce logits for the last token
     prompt_positions: int = 0  # keep the hidden states of this many leading tokens (prompt logprobs)
+
+
+@dataclass
+class Feed:
+    """Input tokens sampled by the step before and not read back yet (async scheduling): flat token
+    index dst[k] of this step takes samples[src[k]], copied on the device (stream-ordered after
+    the sampler that wrote them; no host synchronisation)."""
+    dst: list[int]
+    src: list[int]
+    samples: torch.Tensor  # [rows] int64 on the device: the step before's sampled ids
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        device = input_ids.device
+        dst, src = to_device(self.dst, torch.long, device), to_device(self.src, torch.long, device)
+        input_ids.index_copy_(0, dst, self.samples.index_select(0, src))
 
 
 class ModelRunner:
@@ -49,7 +65,7 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None
         self.graphs = None  # a worker/cuda_graphs.DecodeGraphs once captured
         if decode is not None and getattr(backend, "static_decode", False):
-            self.buffers = DecodeBuffers(decode, device)
+            self.buffers = DecodeBuffers(decode, device, mirrors=2 if device.type == "cuda" else 1)
             self.buckets = decode_buckets(decode.max_rows)
             self._static_metas: dict[int, StepMetadata] = {}
 
@@ -71,12 +87,16 @@ class ModelRunner:
         return ids, pos_t, meta
 
     @torch.inference_mode()
-    def execute(self, inputs: list[ModelInput]) -> torch.Tensor:
-        """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs."""
+    def execute(self, inputs: list[ModelInput], feed: Feed | None = None) -> torch.Tensor:
+        """Logits [num_sampling_seqs, vocab] (float32), rows in the order of the sampling inputs.
+        feed: input tokens the host does not know yet (async scheduling), taken on the device from
+        the step before's samples."""
         if self.static_decode_step(inputs):
             self.last_prompt_hidden = {}
-            return self.execute_static(inputs)
+            return self.execute_static(inputs, feed)
         ids, positions, meta = self.build_metadata(inputs)
+        if feed is not None:
+            feed.apply(ids)
         hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
         self.last_prompt_hidden: dict[int, torch.Tensor] = {}  # input index -> [prompt_positions, hidden]
         if any(inp.prompt_positions for inp in inputs):
@@ -107,12 +127,14 @@ class ModelRunner:
         return (self.buffers is not None and 0 < len(inputs) <= self.buffers.shape.max_rows
                 and all(len(inp.token_ids) == 1 and inp.sample and not inp.prompt_positions for inp in inputs))
 
-    def execute_static(self, inputs: list[ModelInput]) -> torch.Tensor:
+    def execute_static(self, inputs: list[ModelInput], feed: Feed | None = None) -> torch.Tensor:
         n = len(inputs)
         bucket = bucket_for(n, self.buckets)
         groups = range(self.num_groups)
         self.buffers.fill([inp.token_ids[0] for inp in inputs], [inp.start_pos for inp in inputs],
                           [[inp.block_tables[g] for inp in inputs] for g in groups])
+        if feed is not None:  # after the copies, before the replay: the graph reads input_ids
+            feed.apply(self.buffers.input_ids)
         if self.graphs is not None and self.graphs.has(bucket):
             return self.graphs.replay(bucket)[:n]
         return self.forward_static(bucket)[:n]

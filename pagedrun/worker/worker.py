@@ -8,12 +8,16 @@ tensors and the sampler, and turns each decision into token ids.
     worker.prepare(out, n)    commit KV pages, then swap in / swap out / copy blocks, in that order
     worker.execute(inputs, rows)
                               the forward pass of the scheduled tokens, then the sampler's token ids
+    worker.launch(inputs, rows, feed)
+                              the same, queued: read back later (async scheduling, engine/engine.py)
     worker.make_generator(s)  a seeded random stream for one sequence (opaque to the engine)
 
 What crosses the wall is plain data: the scheduler's block lists, per-sequence tuples of token ids,
 positions and block tables, per-row sampling parameters, and the sampled ids back.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,14 +28,14 @@ from pagedrun.errors import PagedrunError
 from pagedrun.kv.groups import KVCacheGroups, plan_groups
 from pagedrun.models.config import resolve_max_model_len
 from pagedrun.models.loader import load_model, load_tokenizer, resolve_model_dir
-from pagedrun.sample.sampler import Sampler, SampleResult, SamplingRow, make_generator
+from pagedrun.sample.sampler import PendingSample, Sampler, SampleResult, SamplingRow, make_generator
 from pagedrun.sample.transfer import to_device
 from pagedrun.worker.cache_engine import CUDA_OOM, CacheEngine
 from pagedrun.worker.cuda_graphs import DecodeGraphs, estimate_pool_bytes, graphs_off_reason
 from pagedrun.worker.decode_buffers import DecodeShape
 from pagedrun.worker.malloc_tuning import tune_glibc_malloc
 from pagedrun.worker.memory import MemoryPlan, plan_kv_cache
-from pagedrun.worker.model_runner import ModelInput, ModelRunner
+from pagedrun.worker.model_runner import Feed, ModelInput, ModelRunner
 from pagedrun.worker.populate import CachePopulator
 from pagedrun.worker.torch_cap import cap_torch_memory, count_cuda_graphs, step_out_of_memory
 
@@ -59,6 +63,21 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise PagedrunError("model.device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
     return torch.device(name)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its samples (None where nothing samples) and prompt logprobs."""
+    pending: PendingSample | None
+    prompt_logprobs: dict
+
+    def result(self) -> SampleResult | None:
+        """Wait for this step's samples (only them: a step queued after it keeps running)."""
+        if self.pending is None:
+            return SampleResult([], [], prompt_logprobs=self.prompt_logprobs) if self.prompt_logprobs else None
+        result = self.pending.result()
+        result.prompt_logprobs = self.prompt_logprobs
+        return result
 
 
 class Worker:
@@ -115,6 +134,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.cache_engine.gpu_cache, self.backend, recipe.cache.block_size,
                                   self.device, self.kv_groups.group_of(layers), self.decode_shape)
         self.sampler = Sampler(recipe.seed)
+        self._last_samples: torch.Tensor | None = None  # the last launch's sampled ids, on the device
         self._calibrate_fp8_scales()
         self.cuda_graphs_line = self._capture_graphs()
 
@@ -171,21 +191,37 @@ class Worker:
         """inputs: per scheduled sequence (new token ids, first position, block tables (one per KV
         cache group), samples[, prompt logprobs: None or (top-N, the next prompt token of each of
         the chunk's leading positions)]);
-        rows: per sampled row (params, generator, history, grammar), row_of[i] the logits row of
-        rows[i] (a prompt about to fork into n samples n rows from its one row of logits)."""
+        rows: per sampled row (params, generator, history, grammar, bad words, position), row_of[i]
+        the logits row of rows[i] (a prompt about to fork into n samples n rows from its one row
+        of logits)."""
+        return self.launch(inputs, row_of, rows).result()
+
+    def launch(self, inputs: list[tuple], row_of: list[int], rows: list[tuple],
+               feed: list[tuple[int, int]] = ()) -> LaunchedStep:
+        """execute's work queued on the device, read back by LaunchedStep.result(). feed: (input,
+        row) pairs, the inputs whose last new token (written PENDING) is row `row` of the samples
+        of the step launched just before, still on the device (async scheduling)."""
         model_inputs = [ModelInput(*i[:4], len(i[4][1]) if len(i) > 4 and i[4] else 0) for i in inputs]
+        fed = None
+        if feed:
+            ends, at = [], 0
+            for m in model_inputs:
+                at += len(m.token_ids)
+                ends.append(at - 1)
+            fed = Feed([ends[i] for i, _ in feed], [r for _, r in feed], self._last_samples)
         try:
-            logits = self.runner.execute(model_inputs)
+            logits = self.runner.execute(model_inputs, fed)
             prompt_lps = {j: self._prompt_logprobs(self.runner.last_prompt_hidden[j], *inputs[j][4])
                           for j in self.runner.last_prompt_hidden}
         except CUDA_OOM as e:
             raise step_out_of_memory(self.memory, sum(len(i.token_ids) for i in model_inputs), e) from None
+        self._last_samples = None
         if not rows:
-            return SampleResult([], [], prompt_logprobs=prompt_lps) if prompt_lps else None
+            return LaunchedStep(None, prompt_lps)
         expanded = logits if len(row_of) == logits.shape[0] else logits[to_device(row_of, torch.long, logits.device)]
-        result = self.sampler(expanded, [SamplingRow(*r) for r in rows])
-        result.prompt_logprobs = prompt_lps
-        return result
+        pending = self.sampler.launch(expanded, [SamplingRow(*r) for r in rows])
+        self._last_samples = pending.ids
+        return LaunchedStep(pending, prompt_lps)
 
     @torch.inference_mode()
     def _prompt_logprobs(self, hidden: torch.Tensor, top_n: int, targets: list[int]) -> list[dict]:

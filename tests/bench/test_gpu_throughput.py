@@ -21,15 +21,17 @@ def test_dry_run_on_the_cpu(tmp_path, capsys):
                    "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["requests"] == 3 and row["today_equal"] is True
-    for mode in ("today", "eager"):
+    for mode in ("today", "eager", "async"):
         m = row["modes"][mode]
         assert m["decode_steps"] == 3 and m["out_tok_s"] > 0 and m["host_ms"] > 0 and m["gpu_ms"] is None
     assert "graphs need CUDA" in row["modes"]["graphs"]["skipped"]
-    assert "today vs eager True" in capsys.readouterr().out
+    assert row["async_equal"] is True
+    assert "async vs graphs True, today vs eager True" in capsys.readouterr().out
 
 
 def test_table_and_failure_on_differing_tokens(monkeypatch, capsys):
     row = dict(shape="s", requests=64, graphs_line="cuda graphs: 11 buckets", today_equal=False, tokens_equal=False,
+               async_equal=True,
                modes={"eager": dict(out_tok_s=100.0, step_ms=2.0, host_ms=1.0, gpu_ms=0.5, bw_share=0.42)})
     assert "42%" in G.table([row])
     monkeypatch.setattr(G, "run_case", lambda *a: row)

@@ -106,7 +106,7 @@ class EngineReplica:
         """After a request failed alone: drop it; rebuild the engine only if blocks leaked."""
         engine = self.llm.engine
         try:
-            engine.scheduler.abort_all()
+            engine.abort_all()
             clean = engine.kv.num_free_gpu_blocks == engine.kv.num_gpu_blocks
         except Exception:
             clean = False

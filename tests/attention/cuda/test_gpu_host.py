@@ -506,7 +506,7 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_numbers(tmp_path, monk
     # on the CPU even where a GPU is visible: the tiny model's head size 16 has no CUDA kernel
     llm = LLM(None, [f"model.path={make_tiny_model('llama', tmp_path / 'm')}", "cache.num_blocks=64", "model.device=cpu"])
 
-    def oom(inputs):
+    def oom(inputs, feed=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     monkeypatch.setattr(llm.engine.worker.runner, "execute", oom)
