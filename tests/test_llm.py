@@ -48,6 +48,7 @@ def test_every_engine_argument_names_a_recipe_key():
               "gpu_memory_utilization": 0.5, "kv_cache_memory": 1 << 30, "block_size": 32,
               "num_gpu_blocks_override": 10, "swap_space": 2.0, "enable_prefix_caching": False,
               "kv_cache_dtype": "fp8", "max_num_seqs": 3, "max_num_batched_tokens": 512, "seed": 9,
+              "async_scheduling": "true",
               "generation_config": "vllm"}
     assert set(values) == set(ENGINE_ARGS)
     r = load_recipe(None, engine_args_overrides(dict(values)))

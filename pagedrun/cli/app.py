@@ -37,6 +37,8 @@ VLLM_FLAGS = (
     ("max_model_len", Optional[int], "--max-model-len", "model.max_model_len", "N"),
     ("max_num_seqs", Optional[int], "--max-num-seqs", "scheduler.max_num_seqs", "N"),
     ("max_num_batched_tokens", Optional[int], "--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "N"),
+    ("async_scheduling", Optional[bool], "--async-scheduling/--no-async-scheduling", "scheduler.async_scheduling",
+     None),
     ("gpu_memory_utilization", Optional[float], "--gpu-memory-utilization", "cache.gpu_memory_utilization", "F"),
     ("kv_cache_dtype", Optional[str], "--kv-cache-dtype", "cache.kv_cache_dtype", "D"),
     ("block_size", Optional[int], "--block-size", "cache.block_size", "N"),

@@ -26,6 +26,7 @@ ENGINE_ARGS = {
     "kv_cache_dtype": "cache.kv_cache_dtype",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "async_scheduling": "scheduler.async_scheduling",
     "seed": "seed",
     "generation_config": "model.generation_config",
 }

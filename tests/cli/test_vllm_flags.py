@@ -16,6 +16,8 @@ FLAGS = [
     ("--max-model-len", "128", 128),
     ("--max-num-seqs", "3", 3),
     ("--max-num-batched-tokens", "512", 512),
+    ("--async-scheduling", None, "true"),
+    ("--no-async-scheduling", None, "false"),
     ("--gpu-memory-utilization", "0.5", 0.5),
     ("--kv-cache-dtype", "int8", "int8"),
     ("--block-size", "32", 32),
