@@ -13,19 +13,10 @@ import random
 
 import pytest
 import torch
+from gpu_required import GPU_ONLY
 from tiny_models import make_tiny_model
 
-
-def _gpu() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and bool(cupy.is_available())
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU and CuPy")]
+pytestmark = GPU_ONLY
 
 
 @pytest.fixture(scope="module")
