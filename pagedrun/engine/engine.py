@@ -11,7 +11,8 @@ With async scheduling (engine/inflight.py) a step is read back after the next on
 the host's work overlaps the device's.
 
 The engine holds no tensor and imports no torch: everything on a device is the Worker's
-(worker/worker.py), reached through plain lists of ids, positions and block tables.
+(worker/worker.py), reached through plain lists of ids, positions and block tables (and held
+only as the worker's opaque handles: a sequence's generator, a launched step).
 """
 from __future__ import annotations
 
@@ -229,14 +230,15 @@ class LLMEngine:
         step, self._inflight = self._inflight, None
         result = step.launched.result()
         step.settle()
-        finished = self._update(step.out, result, step.row_owner, step.t_start)
+        finished = self._update(step.out, result, step.row_owner)
         self._record(step.out, step.t_start, step.num_decode_tokens, len(finished),
                      len(result.token_ids) if result is not None else 0)
         return finished
 
-    def _update(self, out: SchedulerOutput, result, row_owner, t_start: float) -> list[RequestOutput]:
-        """Advance every scheduled sequence, append the sampled tokens (forking where a prompt asked
-        for n), check stops, free what finished; the finished requests' outputs."""
+    def _update(self, out: SchedulerOutput, result, row_owner) -> list[RequestOutput]:
+        """Append a read-back step's sampled tokens (forking where a prompt asked for n), check
+        stops, free what finished; the finished requests' outputs. A row of a sequence that
+        stopped in the step before (read back after this one was launched) is dropped."""
         now = time.perf_counter()
         if result is not None and result.prompt_logprobs:
             for i, entries in result.prompt_logprobs.items():

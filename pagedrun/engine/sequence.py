@@ -72,9 +72,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
