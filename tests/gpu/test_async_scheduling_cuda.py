@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from gpu_required import GPU_ONLY
+from cuda_required import GPU_ONLY
 from tiny_models import make_tiny_model
 
 pytestmark = GPU_ONLY

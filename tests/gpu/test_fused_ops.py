@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_required import GPU_ONLY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 import test_cuda_fused_ops as T  # noqa: E402  (the emulator tests' helpers)
@@ -21,17 +22,7 @@ import test_cuda_fused_ops as T  # noqa: E402  (the emulator tests' helpers)
 from pagedrun.models import cuda_ops as C  # noqa: E402
 from pagedrun.models import ops  # noqa: E402
 
-
-def _gpu() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.is_available()) and torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no CUDA GPU with CuPy and torch.cuda")]
+pytestmark = GPU_ONLY
 DEV = torch.device("cuda", 0)
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cuda_required import GPU_ONLY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attention" / "cuda"))  # the emulator tests' cases
 import test_kernels as T  # noqa: E402
@@ -17,18 +18,7 @@ import test_prefill_kernel as P  # noqa: E402
 from pagedrun.attention.cuda import kernels as K  # noqa: E402
 from pagedrun.attention.cuda import prefill_kernels  # noqa: E402
 
-
-def _gpu() -> bool:
-    try:
-        import cupy
-        import torch
-
-        return bool(cupy.is_available()) and torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="no CUDA GPU (cupy / torch CUDA unavailable)")]
+pytestmark = GPU_ONLY
 
 
 def run_modes(shape, spec, seed, modes=("varlen", "sdpa", "kernel"), window=0, softcap=0.0, sinks=None):

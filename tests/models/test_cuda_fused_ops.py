@@ -18,6 +18,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from cuda_required import nvrtc_includes_or_skip
 
 from pagedrun.models import cuda_ops as C
 from pagedrun.models import ops
@@ -372,16 +373,9 @@ def test_mutation_sites_exist():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_compiles_every_variant(arch):
     """What cupy.RawModule compiles on a GPU: no error, no warning, every name lowered to its own symbol."""
-    from pagedrun.attention.cuda import kernels as K
     from pagedrun.build import nvrtc
 
-    try:
-        nvrtc.version()
-    except nvrtc.NvrtcError as e:
-        pytest.skip(f"NVRTC unavailable: {e}")
-    includes = K.cuda_include_dirs()
-    if not includes:
-        pytest.skip("no CUDA headers (cuda_fp16.h) for NVRTC")
+    includes = nvrtc_includes_or_skip()
     names = C.kernel_names()
     out = nvrtc.compile_program(C.source(), names, arch, includes, filename="fused_ops.cu")
     assert set(out.lowered) == set(names)

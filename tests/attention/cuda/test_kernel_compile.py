@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cuda_required import nvrtc_includes_or_skip
 
 from pagedrun.attention.cuda import kernels as K
 from pagedrun.build import nvrtc
@@ -263,17 +264,6 @@ def test_nvcc_gate(arch, tmp_path, capsys):
     assert len(grouped) == sum("kAuto, " in n for g in groups for n in g), "grouped kernels missing"
 
 
-def _nvrtc_or_skip():
-    try:
-        nvrtc.version()
-    except nvrtc.NvrtcError as e:
-        pytest.skip(f"NVRTC unavailable: {e}")
-    includes = K.cuda_include_dirs()
-    if not includes:
-        pytest.skip("no CUDA headers (cuda_fp16.h) for NVRTC: pip install nvidia-cuda-runtime or set CUDA_PATH")
-    return includes
-
-
 GATE_ARCHS = ("sm_80", "sm_90")
 
 
@@ -300,7 +290,7 @@ def compile_for_each_arch(names: list[str], includes: list[str]) -> dict[str, nv
 def test_nvrtc_gate(dtype, capsys):
     """Every variant of one dtype (8 head sizes x 3 block sizes, 5 kernels each) in one NVRTC
     program per arch, as cupy.RawModule would compile it: no error, no warning, every name lowered."""
-    includes = _nvrtc_or_skip()
+    includes = nvrtc_includes_or_skip()
     variants = [v for v in K.all_variants() if v.dtype == dtype] + grouped_covering(dtype)
     names = list(dict.fromkeys([n for v in variants for n in v.name_expressions(GATE_PARTS)]
                                + prefill_covering(dtype)))
@@ -320,7 +310,7 @@ def test_nvrtc_gate(dtype, capsys):
 def test_nvrtc_gate_quantized_kv(kv, capsys):
     """The quantized-cache kernels of one KV dtype (covering set, or all with the full gate) in one
     NVRTC program per arch: no error, no warning, every name lowered to its own symbol."""
-    includes = _nvrtc_or_skip()
+    includes = nvrtc_includes_or_skip()
     names = list(dict.fromkeys(n for v in quantized_variants(kv) for n in v.name_expressions()))
     for arch, out in compile_for_each_arch(names, includes).items():
         with capsys.disabled():
@@ -331,7 +321,7 @@ def test_nvrtc_gate_quantized_kv(kv, capsys):
 
 def test_nvrtc_reports_a_compile_error():
     """The gate can fail: a source NVRTC rejects (the <cfloat> include nvcc accepts) raises with the log."""
-    includes = _nvrtc_or_skip()
+    includes = nvrtc_includes_or_skip()
     v = SMALL_VARIANTS[0]
     with pytest.raises(nvrtc.NvrtcError, match="cfloat"):
         nvrtc.compile_program("#include <cfloat>\n" + K.full_source(), v.name_expressions(), "sm_80", includes)
@@ -348,7 +338,7 @@ def test_nvrtc_window_and_softcap_parameters(arch):
     mangled as a back reference to the const float* of k_scales), and the v2 reduce with `int window`
     then `const float* sinks` last, as their mangled parameter lists say (...ii before them:
     max_num_blocks_per_seq, q_stride; the reduce's max_num_partitions)."""
-    includes = _nvrtc_or_skip()
+    includes = nvrtc_includes_or_skip()
     names = list(dict.fromkeys(n for v in WINDOW_ABI_VARIANTS for n in v.name_expressions(("v1", "v2"))))
     out = nvrtc.compile_program(K.full_source(), names, arch, includes)
     assert set(out.lowered) == set(names) and "warning" not in out.log.lower(), out.log
@@ -408,7 +398,7 @@ def test_nvrtc_prefill_kernel(arch):
     launch arguments as the host packs them (out, q, caches, int, float, tables, tiles, then int
     max_num_blocks_per_seq, q_stride, window, float softcap, const float* sinks). Every variant's
     prefill kernel is in the gates with PAGEDRUN_FULL_KERNEL_GATE=1, a covering set otherwise."""
-    includes = _nvrtc_or_skip()
+    includes = nvrtc_includes_or_skip()
     names = list(dict.fromkeys(n for v in PREFILL_VARIANTS for n in v.name_expressions(("prefill",))))
     assert len(names) == 5
     out = nvrtc.compile_program(K.full_source(), names, arch, includes)
