@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pagedrun.engine.scheduler import Scheduler, SchedulerOutput
 
 PENDING = 0  # the input id written for a pending token; the device overwrites it before any use
-SETTINGS = ("auto", "true", "false")
 
 
 def async_setting(setting: str, device_type: str) -> tuple[bool, str]:
@@ -79,13 +78,11 @@ class InFlight:
     # step is scheduled
     ahead: bool
     num_decode_tokens: int  # counted at launch: the record reads it after the sequences advanced
-    counted: bool = False  # count_pending ran
 
     def count_pending(self, max_model_len: int) -> dict[int, int]:
         """Each sampling sequence that will run again counts its token as pending; the row of the
-        samples it will read it from, by seq_id."""
+        samples it will read it from, by seq_id. Called for a step launched `ahead` only."""
         rows: dict[int, int] = {}
-        self.counted = True
         j = 0
         for entry in self.row_owner:
             s, fan = entry[0], entry[1]
@@ -100,7 +97,7 @@ class InFlight:
 
     def settle(self) -> None:
         """Its samples were read back: the pending tokens become tokens (the engine appends them)."""
-        if not self.counted:
+        if not self.ahead:  # count_pending did not run
             return
         for entry in self.row_owner:
             if entry[3]:

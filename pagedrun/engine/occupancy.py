@@ -10,8 +10,8 @@ def occupancy(running, kv, max_model_len: int) -> dict:
 
     Per sequence the unshared blocks hold exactly its computed / assigned tokens; only shared
     blocks (a leading run of each table, KVCacheManager.shared_prefix_blocks) need the
-    per-block max over their holders (KVCacheManager.held_slots). So the cost per step is the number of running sequences
-    plus shared blocks, not every block of every table.
+    per-block max over their holders (KVCacheManager.held_slots). So the cost per step is the
+    number of running sequences plus shared blocks, not every block of every table.
 
     With KV cache groups (kv/hybrid.py) slots are counted in every group (a block of each holds
     its own layers' K/V), from the first position the group still holds: a sliding group's table

@@ -145,9 +145,13 @@ class KVCacheManager(PoolCounts):
         sequence and, by the chained hashes, of the one it hits; a fork shares all the parent's
         blocks and copy-on-write gives each sequence its own copy of the one it writes next. So
         these are all of the sequence's shared blocks, found without walking its whole table."""
+        return self._shared_run(self._gpu_table(seq_id))
+
+    def _shared_run(self, table: BlockTable) -> list[int]:
+        """The leading live blocks of `table` whose ref_cnt is above 1."""
         blocks = self.gpu_pool.blocks
         out = []
-        for b in self._gpu_table(seq_id).live_block_ids:
+        for b in table.live_block_ids:
             if blocks[b].ref_cnt <= 1:
                 break
             out.append(b)
@@ -169,11 +173,8 @@ class KVCacheManager(PoolCounts):
             left += gone
             stored += max(0, computed - first)
             assigned += max(0, slots - first)
-            if len(ids) > gone and blocks[ids[gone]].ref_cnt > 1:
-                for i in range(gone, len(ids)):
-                    b = ids[i]
-                    if blocks[b].ref_cnt <= 1:
-                        break
+            if len(ids) > gone and blocks[ids[gone]].ref_cnt > 1:  # most tables share nothing: one look
+                for i, b in enumerate(self._shared_run(table), gone):
                     shared.setdefault(b, []).append((min(bs, max(0, slots - i * bs)),
                                                      min(bs, max(0, computed - i * bs))))
         for fills in shared.values():  # counted once per holder above; keep the fullest holder's
